@@ -1,0 +1,88 @@
+"""The `kvgate` command line. Subcommands import their modules lazily so each starts fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    from config.loader import ConfigError, load_settings, settings_to_dict
+    from routing.policies.registry import PolicyError, build_policy
+
+    try:
+        settings = load_settings(args.file)
+        build_policy(settings.routing.policy, settings.routing.params)
+    except ConfigError as exc:
+        print(f"kvgate: {exc}", file=sys.stderr)
+        return 2
+    except PolicyError as exc:
+        print(f"kvgate: {args.file}: {exc}", file=sys.stderr)
+        return 2
+    if args.show:
+        import json
+
+        print(json.dumps(settings_to_dict(settings), indent=2))
+    else:
+        n = len(settings.instances())
+        print(f"{args.file}: ok ({len(settings.pools)} pools, {n} instances, "
+              f"policy {settings.routing.policy}, admission {settings.admission.mode})")
+    return 0
+
+
+def _bench_decision(args: argparse.Namespace) -> int:
+    from bench.decision import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate",
+        description="KV-cache-aware admission and routing gateway for LLM inference fleets.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    cfg = sub.add_parser("config", help="check or show a configuration file")
+    cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
+    cfg_sub.required = True
+    check = cfg_sub.add_parser("check", help="validate a TOML config (exit 2 on errors)")
+    check.add_argument("file", help="path to a kvgate TOML config")
+    check.add_argument("--show", action="store_true", help="print the resolved settings")
+    check.set_defaults(func=_config_check)
+
+    bench = sub.add_parser("bench", help="micro-benchmarks with JSON output")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench_sub.required = True
+    decision = bench_sub.add_parser(
+        "decision", help="latency of one scheduling decision on a warmed state"
+    )
+    from bench.decision import add_arguments as add_decision_args
+
+    add_decision_args(decision)
+    decision.set_defaults(func=_bench_decision)
+
+    preds = sub.add_parser("predictors", help="train and evaluate the latency predictors")
+    from predictors.cli import add_arguments as add_predictor_args
+
+    add_predictor_args(preds.add_subparsers(dest="predictors_command", metavar="ACTION"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

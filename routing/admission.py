@@ -1,0 +1,125 @@
+"""Admission: whether a placed request may run, decided before any GPU work.
+
+- ``none``: admit everything (engines may still refuse later: "late rejection").
+- ``early``: reject when the predicted TTFT or the chosen decode instance's *current* TBT
+  (with the request added) breaks the SLO (Mooncake §4.2.6.1).
+- ``predictive``: like early, but the decode TBT is forecast for the moment the request
+  reaches decode (Mooncake §4.2.6.3), which damps the prefill/decode load oscillation.
+
+Priority classes keep a ``headroom`` fraction of each SLO unused: a request is admitted
+only if prediction <= (1 - headroom) * SLO, so lower classes are shed first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
+from routing.types import RejectReason, Rejection, RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveSLO:
+    priority: PriorityClass
+    ttft_s: float
+    tbt_s: float
+
+    @property
+    def ttft_limit_s(self) -> float:
+        return self.ttft_s * (1.0 - self.priority.headroom)
+
+    @property
+    def tbt_limit_s(self) -> float:
+        return self.tbt_s * (1.0 - self.priority.headroom)
+
+
+def _clamp(v: float, lo: float, hi: float) -> float:
+    return lo if v < lo else hi if v > hi else v
+
+
+class UnknownPriority(ValueError):
+    pass
+
+
+def resolve_slo(req: RequestInfo, slo: SLOSettings) -> EffectiveSLO:
+    """Global SLO, overridden by the priority class, then by the request within limits."""
+    name = req.priority or slo.default_priority
+    try:
+        cls = slo.priority(name)
+    except KeyError:
+        known = ", ".join(p.name for p in slo.priorities)
+        raise UnknownPriority(f"unknown priority {name!r} (known: {known})") from None
+    ttft = cls.ttft_s if cls.ttft_s is not None else slo.ttft_s
+    tbt = cls.tbt_s if cls.tbt_s is not None else slo.tbt_s
+    if req.slo_ttft_s is not None:
+        ttft = _clamp(req.slo_ttft_s, slo.min_ttft_s, slo.max_ttft_s)
+    if req.slo_tbt_s is not None:
+        tbt = _clamp(req.slo_tbt_s, slo.min_tbt_s, slo.max_tbt_s)
+    return EffectiveSLO(cls, ttft, tbt)
+
+
+class Admission:
+    __slots__ = ("settings",)
+
+    def __init__(self, settings: AdmissionSettings) -> None:
+        self.settings = settings
+
+    @property
+    def mode(self) -> AdmissionMode:
+        return self.settings.mode
+
+    def check(
+        self,
+        req: RequestInfo,
+        slo: EffectiveSLO,
+        ttft_s: float,
+        tbt_s: float,
+        tbt_retry_s: float,
+    ) -> Rejection | None:
+        """``tbt_s`` is the current TBT for ``early`` and the forecast for ``predictive``."""
+        s = self.settings
+        if s.mode is AdmissionMode.NONE:
+            return None
+        ttft_pred = ttft_s * s.ttft_margin
+        limit = slo.ttft_limit_s
+        if ttft_pred > limit:
+            return Rejection(
+                req.request_id,
+                RejectReason.TTFT_SLO,
+                _message("TTFT", ttft_pred, limit, slo),
+                self._retry(ttft_pred - limit),
+                predicted_ttft_s=ttft_s,
+                predicted_tbt_s=tbt_s,
+                limit_s=limit,
+                priority=slo.priority.name,
+            )
+        tbt_pred = tbt_s * s.tbt_margin
+        limit = slo.tbt_limit_s
+        if tbt_pred > limit:
+            return Rejection(
+                req.request_id,
+                RejectReason.TBT_SLO,
+                _message("TBT", tbt_pred, limit, slo),
+                self._retry(tbt_retry_s),
+                predicted_ttft_s=ttft_s,
+                predicted_tbt_s=tbt_s,
+                limit_s=limit,
+                priority=slo.priority.name,
+            )
+        return None
+
+    def _retry(self, seconds: float) -> float:
+        return _clamp(seconds, self.settings.retry_after_min_s, self.settings.retry_after_max_s)
+
+
+def _message(what: str, predicted: float, limit: float, slo: EffectiveSLO) -> str:
+    extra = ""
+    if slo.priority.headroom > 0:
+        extra = (
+            f" ({slo.priority.name} priority keeps {slo.priority.headroom:.0%} headroom"
+            f" of the {(slo.ttft_s if what == 'TTFT' else slo.tbt_s) * 1000:.0f} ms SLO)"
+        )
+    return (
+        f"predicted {what} {predicted * 1000:.0f} ms exceeds the {what} SLO limit"
+        f" {limit * 1000:.0f} ms{extra}"
+    )

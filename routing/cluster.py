@@ -1,0 +1,224 @@
+"""Per-instance load the gateway itself accounts for: dispatched prefills and running decodes.
+
+Engines report load late (scrapes) or not at all, so the core keeps its own books from what it
+dispatched, with predicted durations, and corrects them when engines report progress
+(prefill done, tokens, finished). All methods take ``now``; nothing reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedKeyList
+
+from config.settings import Role
+from predictors.bundle import InstancePredictors
+
+
+@dataclass(slots=True)
+class PrefillWork:
+    request_id: str
+    duration_s: float  # predicted prefill execution (incl. tier loads)
+    est_start_s: float
+    est_finish_s: float
+    prompt_tokens: int
+    ready_s: float  # earliest start (after a prefix pull)
+
+
+@dataclass(slots=True)
+class DecodeWork:
+    request_id: str
+    prompt_tokens: int
+    predicted_output: int
+    est_arrival_s: float  # when the KV is expected to be on this instance
+    est_finish_s: float = 0.0
+    generated: int = 0
+    started_s: float | None = None  # None while the prefill is still running
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.prompt_tokens + max(self.predicted_output, self.generated)
+
+
+def _finish_key(w: DecodeWork) -> tuple[float, str]:
+    return (w.est_finish_s, w.request_id)
+
+
+def _arrival_key(w: DecodeWork) -> tuple[float, str]:
+    return (w.est_arrival_s, w.request_id)
+
+
+@dataclass(slots=True)
+class DecodeForecast:
+    batch: int
+    context_tokens: int
+    tbt_s: float
+
+
+@dataclass(eq=False)
+class InstanceState:
+    """One engine instance as the scheduler sees it."""
+
+    id: str
+    role: Role
+    predictors: InstancePredictors
+    capacity_tokens: int
+    max_batch: int
+    bit_order: int = 0  # registration order, the deterministic tie-break
+    healthy: bool = True
+    draining: bool = False
+    prefill_queue: dict[str, PrefillWork] = field(default_factory=dict)
+    busy_until_s: float = 0.0
+    queued_tokens: int = 0
+    incoming: dict[str, DecodeWork] = field(default_factory=dict)
+    running: dict[str, DecodeWork] = field(default_factory=dict)
+    batch: int = 0
+    context_tokens: int = 0
+    reserved_tokens: int = 0
+    inbound_bytes: float = 0.0  # KV transfers in flight into this instance
+    _by_finish: SortedKeyList = field(default_factory=lambda: SortedKeyList(key=_finish_key))
+    _by_arrival: SortedKeyList = field(default_factory=lambda: SortedKeyList(key=_arrival_key))
+
+    # ---- eligibility ----
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def does_prefill(self) -> bool:
+        return self.role is not Role.DECODE
+
+    @property
+    def does_decode(self) -> bool:
+        return self.role is not Role.PREFILL
+
+    @property
+    def idle(self) -> bool:
+        return not self.prefill_queue and not self.running and not self.incoming
+
+    # ---- prefill queue (FCFS) ----
+    def queue_time(self, now: float) -> float:
+        t = self.busy_until_s - now
+        return t if t > 0.0 else 0.0
+
+    def enqueue_prefill(
+        self, request_id: str, duration_s: float, prompt_tokens: int, now: float, ready_s: float
+    ) -> PrefillWork:
+        start = max(self.busy_until_s, ready_s, now)
+        work = PrefillWork(
+            request_id, duration_s, start, start + duration_s, prompt_tokens, ready_s
+        )
+        self.prefill_queue[request_id] = work
+        self.busy_until_s = work.est_finish_s
+        self.queued_tokens += prompt_tokens
+        return work
+
+    def finish_prefill(self, request_id: str, now: float) -> PrefillWork | None:
+        work = self.prefill_queue.pop(request_id, None)
+        if work is None:
+            return None
+        self.queued_tokens -= work.prompt_tokens
+        # FCFS: the next queued prefill starts now; re-anchor the estimate on what remains.
+        t = now
+        for w in self.prefill_queue.values():
+            w.est_start_s = max(t, w.ready_s)
+            w.est_finish_s = w.est_start_s + w.duration_s
+            t = w.est_finish_s
+        self.busy_until_s = t if self.prefill_queue else now
+        return work
+
+    # ---- decode set ----
+    def tbt_now(self, extra_batch: int = 0, extra_tokens: int = 0) -> float:
+        return self.predictors.decode.step_time(
+            self.batch + extra_batch, self.context_tokens + extra_tokens
+        )
+
+    def add_incoming(self, work: DecodeWork) -> None:
+        self.incoming[work.request_id] = work
+        self._by_arrival.add(work)
+        self.reserved_tokens += work.reserved_tokens
+
+    def start_decode(self, request_id: str, now: float) -> DecodeWork | None:
+        work = self.incoming.pop(request_id, None)
+        if work is None:
+            return None
+        self._by_arrival.remove(work)
+        work.started_s = now
+        work.est_arrival_s = now
+        tbt = self.tbt_now(1, work.context_tokens)
+        work.est_finish_s = now + max(work.predicted_output - work.generated, 1) * tbt
+        self.running[request_id] = work
+        self._by_finish.add(work)
+        self.batch += 1
+        self.context_tokens += work.context_tokens
+        return work
+
+    def add_tokens(self, request_id: str, n: int, now: float) -> None:
+        work = self.running.get(request_id)
+        if work is None or n <= 0:
+            return
+        before = work.reserved_tokens
+        self._by_finish.remove(work)
+        work.generated += n
+        self.context_tokens += n
+        self.reserved_tokens += work.reserved_tokens - before
+        left = max(work.predicted_output - work.generated, 1)
+        work.est_finish_s = now + left * self.tbt_now()
+        self._by_finish.add(work)
+
+    def remove_decode(self, request_id: str) -> DecodeWork | None:
+        work = self.running.pop(request_id, None)
+        if work is not None:
+            self._by_finish.remove(work)
+            self.batch -= 1
+            self.context_tokens -= work.context_tokens
+        else:
+            work = self.incoming.pop(request_id, None)
+            if work is None:
+                return None
+            self._by_arrival.remove(work)
+        self.reserved_tokens -= work.reserved_tokens
+        return work
+
+    def kv_fits(self, tokens: int) -> bool:
+        return self.reserved_tokens + tokens <= self.capacity_tokens
+
+    def forecast(self, at_s: float, now: float, prompt_tokens: int) -> DecodeForecast:
+        """Decode batch and TBT at ``at_s`` if a request of ``prompt_tokens`` arrives then.
+
+        Mooncake's prediction-based early rejection: requests now in prefill that will have
+        moved here by then join; running decodes predicted to finish by then leave.
+        """
+        batch = self.batch + 1
+        tokens = self.context_tokens + prompt_tokens
+        for w in self._by_finish.irange_key(max_key=(at_s, "\uffff")):
+            batch -= 1
+            tokens -= w.context_tokens
+        for w in self._by_arrival.irange_key(max_key=(at_s, "\uffff")):
+            batch += 1
+            tokens += w.prompt_tokens
+        if at_s > now and batch > 1:
+            # Sequences still running grow by one token per step until then.
+            grown = (batch - 1) * int((at_s - now) / max(self.tbt_now(), 1e-4))
+            tokens += min(grown, self.capacity_tokens)
+        return DecodeForecast(batch, tokens, self.predictors.decode.step_time(batch, tokens))
+
+    def next_finish_s(self) -> float | None:
+        return self._by_finish[0].est_finish_s if self._by_finish else None
+
+    def clear_work(self) -> list[str]:
+        """Forget all work (instance removed or died); returns the affected request ids."""
+        ids = [*self.prefill_queue, *self.incoming, *self.running]
+        self.prefill_queue.clear()
+        self.incoming.clear()
+        self.running.clear()
+        self._by_finish.clear()
+        self._by_arrival.clear()
+        self.busy_until_s = 0.0
+        self.queued_tokens = self.batch = self.context_tokens = self.reserved_tokens = 0
+        self.inbound_bytes = 0.0
+        return ids

@@ -1,0 +1,418 @@
+"""The Conductor: one pure, deterministic decision core for the gateway and the simulator.
+
+``schedule(request, now)`` returns a ``Decision`` (prefill and decode instance, predictions,
+replication commands) or a ``Rejection``; it does not change the books. ``dispatched`` commits a
+decision; the event methods (prefill_done, first_token, tokens, finished, failed, kv_event,
+replication_done, instance add/drain/remove/health) keep the books true to what happened.
+Time is always an argument; nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from config.settings import AdmissionMode, InstanceSettings, Role, Settings
+from predictors.bundle import InstancePredictors, build_instance_predictors
+from predictors.output_length import OutputLengthPredictor
+from routing.admission import Admission, EffectiveSLO, resolve_slo
+from routing.cluster import DecodeWork, InstanceState
+from routing.estimates import PrefillOption, TTFTEstimator
+from routing.hotspot import HotspotPlanner
+from routing.kv_index import KVIndex
+from routing.policies.base import PlacementContext, Policy
+from routing.policies.registry import build_policy
+from routing.types import (
+    BlockStored,
+    Decision,
+    DecisionStats,
+    KVEvent,
+    RejectReason,
+    Rejection,
+    ReplicationCommand,
+    RequestInfo,
+    Tier,
+)
+
+PredictorFactory = Callable[[str | None], InstancePredictors]
+_FORECAST_CANDIDATES = 3  # decode instances whose future batch is forecast per decision
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request: RequestInfo
+    decision: Decision
+    dispatched_s: float
+    pull_bytes: float = 0.0
+    prefill_done_s: float | None = None
+    first_token_s: float | None = None
+    tokens: int = 0
+
+
+class Conductor:
+    def __init__(
+        self,
+        settings: Settings,
+        predictors_for: PredictorFactory | None = None,
+    ) -> None:
+        self._predictor_cache: dict[str | None, InstancePredictors] = {}
+        self._predictors_for = predictors_for or self._default_predictors
+        self.settings = settings
+        self.block_size = settings.routing.block_size
+        self.instances: dict[str, InstanceState] = {}
+        self.index = KVIndex(predicted_ttl_s=settings.routing.predict_on_route_ttl_s)
+        self.output_lengths = OutputLengthPredictor(
+            settings.predictors.output_length_history,
+            settings.predictors.output_length_quantile,
+            settings.predictors.default_output_tokens,
+        )
+        self.requests: dict[str, RequestRecord] = {}
+        self.stats = DecisionStats()
+        self._order = 0
+        self._prefill: list[InstanceState] = []
+        self._decode: list[InstanceState] = []
+        self.apply_settings(settings)
+        for inst in settings.instances():
+            self.add_instance(inst)
+
+    # ------------------------------------------------------------------ configuration
+    def _default_predictors(self, profile: str | None) -> InstancePredictors:
+        if profile not in self._predictor_cache:
+            self._predictor_cache[profile] = build_instance_predictors(
+                self.settings.predictors, profile
+            )
+        return self._predictor_cache[profile]
+
+    def apply_settings(self, settings: Settings) -> None:
+        """Swap SLOs, policy and admission live (settings already validated)."""
+        old = getattr(self, "settings", None)
+        self.settings = settings
+        self.admission = Admission(settings.admission)
+        if old is None or not hasattr(self, "policy") or (
+            old.routing.policy,
+            dict(old.routing.params),
+        ) != (settings.routing.policy, dict(settings.routing.params)):
+            self.policy: Policy = build_policy(settings.routing.policy, settings.routing.params)
+            self.rng = random.Random(settings.routing.seed)
+        if old is None or not hasattr(self, "planner") or old.replication != settings.replication:
+            self.planner = HotspotPlanner(settings.replication, settings.routing.block_size)
+
+    def add_instance(self, spec: InstanceSettings) -> InstanceState:
+        if spec.id in self.instances:
+            raise ValueError(f"instance {spec.id!r} already exists")
+        preds = self._predictors_for(spec.profile)
+        capacity = spec.capacity_tokens or preds.profile.kv_capacity_tokens
+        inst = InstanceState(
+            id=spec.id,
+            role=spec.role,
+            predictors=preds,
+            capacity_tokens=capacity,
+            max_batch=spec.max_batch,
+            bit_order=self._order,
+        )
+        self._order += 1
+        self.instances[spec.id] = inst
+        if inst.does_prefill:
+            self.index.add_instance(
+                spec.id,
+                max(capacity // self.block_size, 1),
+                spec.host_capacity_tokens // self.block_size,
+            )
+        self._refresh_pools()
+        return inst
+
+    def drain_instance(self, instance_id: str, draining: bool = True) -> None:
+        self.instances[instance_id].draining = draining
+        self._refresh_pools()
+
+    def set_health(self, instance_id: str, healthy: bool) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is not None and inst.healthy != healthy:
+            inst.healthy = healthy
+            self._refresh_pools()
+
+    def remove_instance(self, instance_id: str, now: float) -> list[str]:
+        """Forget an instance; returns the ids of requests that were on it (now failed)."""
+        inst = self.instances.pop(instance_id)
+        affected = inst.clear_work()
+        for rid in affected:
+            self._drop(rid, now)
+        if inst.does_prefill:
+            self.index.remove_instance(instance_id)
+        self.planner.forget_instance(instance_id)
+        self._refresh_pools()
+        return affected
+
+    def _refresh_pools(self) -> None:
+        ordered = sorted(self.instances.values(), key=lambda i: i.bit_order)
+        self._prefill = [i for i in ordered if i.eligible and i.does_prefill]
+        self._decode = [i for i in ordered if i.eligible and i.role is Role.DECODE]
+        self._has_decode_pool = any(i.role is Role.DECODE for i in ordered)
+
+    # ------------------------------------------------------------------ decisions
+    def schedule(self, req: RequestInfo, now: float) -> Decision | Rejection:
+        slo = resolve_slo(req, self.settings.slo)
+        if not self._prefill:
+            return self._reject_unavailable(req, RejectReason.NO_HEALTHY_PREFILL, slo)
+        if self._has_decode_pool and not self._decode:
+            return self._reject_unavailable(req, RejectReason.NO_HEALTHY_DECODE, slo)
+        match = self.index.match(req.block_hashes, now)
+        predicted_output = self.output_lengths.predict(req.output_key, req.max_tokens)
+        routing = self.settings.routing
+        estimator = TTFTEstimator(
+            req,
+            match,
+            now,
+            block_size=self.block_size,
+            threshold=routing.kvcache_balancing_threshold,
+            min_transfer_blocks=routing.min_transfer_blocks,
+            holders=self.instances,
+            transfer_allowed=len(self.planner.in_flight) < self.settings.replication.max_in_flight,
+        )
+        ctx = PlacementContext(
+            req, now, match, self._prefill, self._decode, estimator, self.rng,
+            predicted_output, self.block_size,
+        )
+        option = self.policy.select_prefill(ctx)
+        if option.pull_source not in (None, "store") and not self.planner.can_issue(
+            option.instance.id
+        ):
+            option = estimator.local(option.instance)
+        prefill = option.instance
+
+        decode, tbt_now, tbt_check, retry_s = self._place_decode(ctx, prefill, option)
+        if decode is None:
+            return self._reject_capacity(req, slo, option)
+        rejection = self.admission.check(req, slo, option.ttft_s, tbt_check, retry_s)
+        if rejection is not None:
+            self._count_rejection(rejection)
+            return rejection
+
+        replications = self._plan_replication(req, ctx, option, now)
+        self.stats.decisions += 1
+        return Decision(
+            request_id=req.request_id,
+            prefill=prefill.id,
+            decode=decode.id,
+            predicted_ttft_s=option.ttft_s,
+            predicted_tbt_s=tbt_now,
+            predicted_queue_s=option.queue_s,
+            predicted_prefill_s=option.prefill_s,
+            predicted_transfer_s=option.transfer_s,
+            predicted_load_s=option.load_s,
+            predicted_output_tokens=predicted_output,
+            cached_tokens=option.cached_tokens,
+            prompt_tokens=req.prompt_tokens,
+            policy=self.policy.name,
+            reason=_reason(option),
+            priority=slo.priority.name,
+            slo_ttft_s=slo.ttft_s,
+            slo_tbt_s=slo.tbt_s,
+            replications=replications,
+            pull_source=option.pull_source,
+        )
+
+    def _place_decode(
+        self, ctx: PlacementContext, prefill: InstanceState, option: PrefillOption
+    ) -> tuple[InstanceState | None, float, float, float]:
+        """Pick the decode instance; returns (instance, TBT now, TBT to check, retry hint)."""
+        req = ctx.request
+        need = req.prompt_tokens + ctx.predicted_output
+        if not self._decode:  # colocated: decode where the prefill ran
+            tbt = prefill.tbt_now(1, req.prompt_tokens)
+            return prefill, tbt, tbt, self._retry_hint(prefill, ctx.now)
+        chosen = self.policy.select_decode(ctx)
+        if chosen is not None:
+            ranked = [(chosen.tbt_now(1, req.prompt_tokens), chosen)]
+        else:
+            ranked = sorted(
+                (
+                    (d.tbt_now(1, req.prompt_tokens), d)
+                    for d in self._decode
+                    if d.kv_fits(need) and d.batch < d.max_batch
+                ),
+                key=lambda t: (t[0], t[1].bit_order),
+            )
+            if not ranked:
+                if self.admission.mode is not AdmissionMode.NONE:
+                    return None, 0.0, 0.0, 0.0
+                ranked = [(d.tbt_now(1, req.prompt_tokens), d) for d in self._decode[:1]]
+        if self.admission.mode is not AdmissionMode.PREDICTIVE:
+            tbt, d = ranked[0]
+            return d, tbt, tbt, self._retry_hint(d, ctx.now)
+        arrive = ctx.now + option.ttft_s
+        best = None
+        for tbt, d in ranked[:_FORECAST_CANDIDATES]:
+            at = arrive + d.predictors.link.time(req.prompt_tokens)
+            fc = d.forecast(at, ctx.now, req.prompt_tokens).tbt_s
+            if best is None or fc < best[2]:
+                best = (d, tbt, fc)
+        assert best is not None
+        d, tbt, fc = best
+        return d, tbt, fc, self._retry_hint(d, ctx.now)
+
+    @staticmethod
+    def _retry_hint(inst: InstanceState, now: float) -> float:
+        nxt = inst.next_finish_s()
+        return max(nxt - now, 0.0) if nxt is not None else 1.0
+
+    def _plan_replication(
+        self, req: RequestInfo, ctx: PlacementContext, option: PrefillOption, now: float
+    ) -> tuple[ReplicationCommand, ...]:
+        planner = self.planner
+        rate = planner.observe(req, ctx.match, now)
+        cmds: list[ReplicationCommand] = []
+        if option.pull_source not in (None, "store"):
+            cmd = planner.reactive(
+                req, option.pull_source, option.instance.id, option.pull_from_block,
+                option.cached_blocks, now,
+            )
+            if cmd is not None:
+                cmds.append(cmd)
+        cmd = planner.proactive(
+            req, ctx.match, self._prefill, self.instances, rate, option.instance.id, now
+        )
+        if cmd is not None:
+            cmds.append(cmd)
+        self.stats.replications += len(cmds)
+        return tuple(cmds)
+
+    def _reject_unavailable(
+        self, req: RequestInfo, reason: RejectReason, slo: EffectiveSLO
+    ) -> Rejection:
+        pool = "prefill" if reason is RejectReason.NO_HEALTHY_PREFILL else "decode"
+        rej = Rejection(
+            req.request_id, reason, f"no healthy {pool} instance is available",
+            self.settings.admission.retry_after_min_s, priority=slo.priority.name,
+            no_capacity=True,
+        )
+        self._count_rejection(rej)
+        return rej
+
+    def _reject_capacity(
+        self, req: RequestInfo, slo: EffectiveSLO, option: PrefillOption
+    ) -> Rejection:
+        rej = Rejection(
+            req.request_id, RejectReason.KV_CAPACITY,
+            "no decode instance has KV cache room for the prompt and its predicted output",
+            self.settings.admission.retry_after_min_s, predicted_ttft_s=option.ttft_s,
+            priority=slo.priority.name,
+        )
+        self._count_rejection(rej)
+        return rej
+
+    def _count_rejection(self, rej: Rejection) -> None:
+        key = rej.reason.value
+        self.stats.rejections[key] = self.stats.rejections.get(key, 0) + 1
+
+    # ------------------------------------------------------------------ events
+    def dispatched(self, decision: Decision, req: RequestInfo, now: float) -> None:
+        prefill = self.instances[decision.prefill]
+        decode = self.instances[decision.decode]
+        record = RequestRecord(req, decision, now)
+        ready = now + decision.predicted_transfer_s
+        if decision.pull_source not in (None, "store"):
+            record.pull_bytes = prefill.predictors.link.bytes_for(
+                decision.cached_tokens
+            )
+            prefill.inbound_bytes += record.pull_bytes
+            self.stats.transfers += 1
+        work = prefill.enqueue_prefill(
+            req.request_id,
+            decision.predicted_prefill_s + decision.predicted_load_s,
+            req.prompt_tokens,
+            now,
+            ready,
+        )
+        arrival = work.est_finish_s
+        if decode is not prefill:
+            arrival += decode.predictors.link.time(req.prompt_tokens)
+        decode.add_incoming(
+            DecodeWork(req.request_id, req.prompt_tokens, decision.predicted_output_tokens,
+                       arrival)
+        )
+        self.index.record_route(prefill.id, req.block_hashes, now)
+        self.requests[req.request_id] = record
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        rec = self.requests.get(request_id)
+        if rec is None or rec.prefill_done_s is not None:
+            return
+        rec.prefill_done_s = now
+        prefill = self.instances.get(rec.decision.prefill)
+        if prefill is not None:
+            prefill.finish_prefill(request_id, now)
+            prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
+        decode = self.instances.get(rec.decision.decode)
+        if decode is not None:
+            decode.start_decode(request_id, now)
+
+    def first_token(self, request_id: str, now: float) -> float | None:
+        """Returns the observed TTFT (from dispatch)."""
+        rec = self.requests.get(request_id)
+        if rec is None:
+            return None
+        self.prefill_done(request_id, now)
+        if rec.first_token_s is None:
+            rec.first_token_s = now
+        return rec.first_token_s - rec.dispatched_s
+
+    def tokens(self, request_id: str, n: int, now: float) -> None:
+        rec = self.requests.get(request_id)
+        if rec is None:
+            return
+        rec.tokens += n
+        decode = self.instances.get(rec.decision.decode)
+        if decode is not None:
+            decode.add_tokens(request_id, n, now)
+
+    def finished(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
+        rec = self._drop(request_id, now)
+        if rec is not None:
+            out = output_tokens if output_tokens is not None else rec.tokens
+            if out > 0:
+                self.output_lengths.observe(rec.request.output_key, out)
+
+    def failed(self, request_id: str, now: float) -> None:
+        self._drop(request_id, now)
+
+    def _drop(self, request_id: str, now: float) -> RequestRecord | None:
+        rec = self.requests.pop(request_id, None)
+        if rec is None:
+            return None
+        prefill = self.instances.get(rec.decision.prefill)
+        if prefill is not None and request_id in prefill.prefill_queue:
+            prefill.finish_prefill(request_id, now)
+            prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
+        decode = self.instances.get(rec.decision.decode)
+        if decode is not None:
+            decode.remove_decode(request_id)
+        return rec
+
+    def kv_event(self, instance_id: str, event: KVEvent, now: float) -> None:
+        self.index.apply(instance_id, event, now)
+
+    def store_event(self, event: KVEvent) -> None:
+        self.index.apply_store(event)
+
+    def replication_done(
+        self, command_id: str, ok: bool, now: float
+    ) -> ReplicationCommand | None:
+        """A copy finished. On success the destination holds the blocks; on failure the index
+        is unchanged and a retry command may be returned."""
+        entry = self.planner.in_flight.get(command_id)
+        if entry is not None and ok and entry.command.destination in self.instances:
+            cmd = entry.command
+            self.index.apply(cmd.destination, BlockStored(cmd.block_hashes, Tier.GPU), now)
+        return self.planner.complete(command_id, ok, now)
+
+
+def _reason(option: PrefillOption) -> str:
+    if option.pull_source == "store":
+        return "load_from_store"
+    if option.pull_source is not None:
+        return "pull_prefix"
+    if option.cached_blocks:
+        return "local_prefix"
+    return "no_prefix"

@@ -1,0 +1,156 @@
+"""TTFT of placing one request's prefill on a given instance (Mooncake Algorithm 1, lines 5-23).
+
+For an instance with local prefix ``l`` blocks, the best holder's prefix ``b`` blocks and the
+shared store's ``s`` blocks:
+
+- local:    TTFT = T_load(host part of l) + T_queue + T_prefill(n, l)
+- transfer: TTFT = T_transfer(holder -> instance, b - l) + T_queue + T_prefill(n, b),
+            considered when b / l >= kvcache_balancing_threshold (the paper's rule) and the
+            remote part is at least ``min_transfer_blocks`` long
+- store:    TTFT = T_load_store(s - l) + T_queue + T_prefill(n, s), when s > l (HiCache L3)
+
+The paper evaluates only one branch per instance; we evaluate the local branch always and take
+the minimum, so a slow link can never make a choice worse than recomputing.
+One estimator is built per request; prefill times are memoised by cached length because most
+instances share the same few prefix lengths (the hot path stays arithmetic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing.cluster import InstanceState
+from routing.types import PrefixMatch, RequestInfo
+
+STORE_SOURCE = "store"
+
+
+@dataclass(slots=True)
+class PrefillOption:
+    instance: InstanceState
+    ttft_s: float
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    load_s: float
+    cached_blocks: int  # prefix blocks the prefill reuses (local, pulled or loaded)
+    cached_tokens: int
+    pull_source: str | None = None  # holder instance id or STORE_SOURCE
+    pull_from_block: int = 0  # first block index pulled (the instance's local prefix length)
+
+
+class TTFTEstimator:
+    __slots__ = (
+        "_cache",
+        "_holders",
+        "block_size",
+        "match",
+        "min_transfer_blocks",
+        "now",
+        "request",
+        "threshold",
+        "transfer_allowed",
+    )
+
+    def __init__(
+        self,
+        request: RequestInfo,
+        match: PrefixMatch,
+        now: float,
+        *,
+        block_size: int,
+        threshold: float,
+        min_transfer_blocks: int,
+        holders: dict[str, InstanceState],
+        transfer_allowed: bool = True,
+    ) -> None:
+        self.request = request
+        self.match = match
+        self.now = now
+        self.block_size = block_size
+        self.threshold = threshold
+        self.min_transfer_blocks = min_transfer_blocks
+        self.transfer_allowed = transfer_allowed
+        self._holders = holders
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def cached_tokens(self, blocks: int) -> int:
+        # The engine always computes at least the last prompt token.
+        return max(0, min(blocks * self.block_size, self.request.prompt_tokens - 1))
+
+    def prefill_time(self, inst: InstanceState, blocks: int) -> float:
+        key = (id(inst.predictors), blocks)
+        t = self._cache.get(key)
+        if t is None:
+            cached = self.cached_tokens(blocks)
+            t = inst.predictors.prefill.predict(self.request.prompt_tokens - cached, cached)
+            self._cache[key] = t
+        return t
+
+    def local(self, inst: InstanceState) -> PrefillOption:
+        """Recompute what the instance does not hold; load its host-tier part first."""
+        match = self.match
+        local = match.local_blocks.get(inst.id, 0)
+        load = 0.0
+        if local:
+            host_blocks = local - match.gpu_blocks.get(inst.id, 0)
+            if host_blocks > 0:
+                load = inst.predictors.host_load.time(host_blocks * self.block_size)
+        queue = inst.queue_time(self.now)
+        prefill = self.prefill_time(inst, local)
+        return PrefillOption(
+            inst, load + queue + prefill, queue, prefill, 0.0, load, local,
+            self.cached_tokens(local),
+        )
+
+    def best(self, inst: InstanceState) -> PrefillOption:
+        """Algorithm 1 for one instance: local, pull from the best holder, or load from store."""
+        opt = self.local(inst)
+        match = self.match
+        local = opt.cached_blocks
+        best = match.best_blocks
+        if (
+            self.transfer_allowed
+            and best - local >= self.min_transfer_blocks
+            and (local == 0 or best / local >= self.threshold)
+        ):
+            source = self._pick_source(inst)
+            if source is not None:
+                tokens = (best - local) * self.block_size
+                inflight = max(inst.inbound_bytes, 0.0)
+                transfer = inst.predictors.link.time(tokens, inflight) + opt.load_s
+                prefill = self.prefill_time(inst, best)
+                ttft = transfer + opt.queue_s + prefill
+                if ttft < opt.ttft_s:
+                    opt = PrefillOption(
+                        inst, ttft, opt.queue_s, prefill, transfer, opt.load_s, best,
+                        self.cached_tokens(best), source, local,
+                    )
+        store = match.store_blocks
+        if store > opt.cached_blocks and store - local >= self.min_transfer_blocks:
+            load = inst.predictors.store_load.time((store - local) * self.block_size)
+            load += opt.load_s if opt.pull_source is None else 0.0
+            prefill = self.prefill_time(inst, store)
+            ttft = load + opt.queue_s + prefill
+            if ttft < opt.ttft_s:
+                opt = PrefillOption(
+                    inst, ttft, opt.queue_s, prefill, 0.0, load, store,
+                    self.cached_tokens(store), STORE_SOURCE, local,
+                )
+        return opt
+
+    def _pick_source(self, dest: InstanceState) -> str | None:
+        # Of the instances holding the best prefix, pull from the one with the least
+        # outbound pressure; the destination itself never counts.
+        best_id: str | None = None
+        best_q = float("inf")
+        for hid in self.match.best_holders:
+            if hid == dest.id:
+                continue
+            h = self._holders.get(hid)
+            if h is None or not h.healthy:
+                continue
+            q = h.queue_time(self.now)
+            if q < best_q:
+                best_id, best_q = hid, q
+        return best_id

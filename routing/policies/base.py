@@ -1,0 +1,70 @@
+"""The seam every placement policy implements, and the context it is given."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from config.settings import AdmissionMode
+from routing.cluster import InstanceState
+from routing.estimates import PrefillOption, TTFTEstimator
+from routing.types import PrefixMatch, RequestInfo
+
+
+@dataclass(slots=True)
+class PlacementContext:
+    """Everything a policy may look at for one request. Policies must not mutate it."""
+
+    request: RequestInfo
+    now: float
+    match: PrefixMatch
+    prefill_candidates: list[InstanceState]  # eligible, in registration order
+    decode_candidates: list[InstanceState]  # eligible; empty for colocated pools
+    estimator: TTFTEstimator
+    rng: random.Random
+    predicted_output: int
+    block_size: int
+
+
+class Policy(Protocol):
+    """Chooses the prefill instance; may override the decode choice.
+
+    ``select_decode`` returning None means "the Conductor's default": the decode instance with
+    the lowest predicted TBT after adding the request (Mooncake's load-balancing decode).
+    """
+
+    name: ClassVar[str]
+    # The admission the policy's real system ships with (used by `--compare` bare names).
+    native_admission: ClassVar[AdmissionMode]
+    # Whether the policy pulls remote prefixes (and so issues reactive replication).
+    uses_transfers: ClassVar[bool]
+
+    def select_prefill(self, ctx: PlacementContext) -> PrefillOption: ...
+
+    def select_decode(self, ctx: PlacementContext) -> InstanceState | None: ...
+
+
+class PolicyBase:
+    """Defaults shared by the policies: no decode override, no parameters."""
+
+    name: ClassVar[str] = ""
+    native_admission: ClassVar[AdmissionMode] = AdmissionMode.NONE
+    uses_transfers: ClassVar[bool] = False
+
+    def __init__(self, **params: Any) -> None:
+        if params:
+            raise TypeError(f"unknown parameter(s) {sorted(params)}")
+
+    def select_decode(self, ctx: PlacementContext) -> InstanceState | None:
+        return None
+
+
+def min_queue(candidates: list[InstanceState], now: float) -> InstanceState:
+    best = candidates[0]
+    best_q = best.queue_time(now)
+    for inst in candidates[1:]:
+        q = inst.queue_time(now)
+        if q < best_q:
+            best, best_q = inst, q
+    return best

@@ -1,0 +1,276 @@
+"""Mooncake Algorithm 1 behaviour, pinned by small scenarios on a real Conductor."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from config.settings import AdmissionMode, ReplicationSettings, SLOSettings
+from routing.conductor import Conductor
+from routing.types import Decision, RejectReason, Rejection, ReplicationReason
+from tests.routing.fleet import busy, fleet_settings, hold, make_conductor, prompt, request
+
+
+def decide(c: Conductor, rid: str, blocks: tuple[int, ...], now: float = 0.0, **kw):
+    req = request(rid, blocks, now=now, **kw)
+    return req, c.schedule(req, now)
+
+
+def test_prefers_the_holder_when_its_queue_is_short() -> None:
+    c = make_conductor()
+    hold(c, "p1", prompt(7, 200))
+    _, d = decide(c, "r", prompt(7, 256))
+    assert isinstance(d, Decision)
+    assert d.prefill == "p1"
+    assert d.reason == "local_prefix"
+    assert d.cached_tokens == 200 * 16
+    assert d.pull_source is None and d.replications == ()
+    # Reusing 200 of 256 blocks must be predicted much faster than recomputing everything.
+    cold = c.instances["p0"]
+    assert d.predicted_ttft_s < cold.predictors.prefill.predict(256 * 16, 0) / 2
+
+
+def test_pulls_the_prefix_to_an_idle_instance_when_that_beats_waiting() -> None:
+    c = make_conductor()
+    hold(c, "p0", prompt(7, 200))
+    busy(c, "p0", 5.0)  # the holder is 5 s behind
+    busy(c, "p2", 5.0)
+    _, d = decide(c, "r", prompt(7, 256))
+    assert isinstance(d, Decision)
+    assert d.prefill == "p1"
+    assert d.reason == "pull_prefix"
+    assert d.pull_source == "p0"
+    assert d.predicted_transfer_s > 0
+    assert d.predicted_ttft_s < 5.0
+    # The pull is issued as a reactive replication command holder -> chosen instance.
+    (cmd,) = [r for r in d.replications if r.reason is ReplicationReason.REACTIVE]
+    assert (cmd.source, cmd.destination) == ("p0", "p1")
+    assert cmd.block_hashes == prompt(7, 200)
+    assert cmd.request_id == "r"
+
+
+def test_waits_for_the_holder_when_the_transfer_costs_more_than_the_wait() -> None:
+    # A slow link (0.01 Gb/s) makes pulling 200 blocks far slower than a short queue.
+    c = Conductor(fleet_settings(predictors=replace(
+        fleet_settings().predictors, link_bandwidth_gbps=0.01)))
+    hold(c, "p0", prompt(7, 200))
+    busy(c, "p0", 0.05)
+    busy(c, "p2", 5.0)
+    _, d = decide(c, "r", prompt(7, 256))
+    assert isinstance(d, Decision)
+    assert d.prefill == "p0" and d.pull_source is None
+
+
+def test_recomputes_locally_when_the_remote_prefix_is_not_better_by_the_threshold() -> None:
+    c = make_conductor()
+    hold(c, "p0", prompt(7, 100))
+    hold(c, "p1", prompt(7, 80))  # 100 / 80 = 1.25 < threshold 1.5
+    busy(c, "p0", 5.0)
+    busy(c, "p2", 5.0)
+    _, d = decide(c, "r", prompt(7, 256))
+    assert isinstance(d, Decision)
+    assert d.prefill == "p1"
+    assert d.pull_source is None
+    assert d.cached_tokens == 80 * 16
+    assert d.replications == ()
+
+
+def test_pulls_when_the_remote_prefix_beats_the_threshold() -> None:
+    c = make_conductor()
+    hold(c, "p0", prompt(7, 200))
+    hold(c, "p1", prompt(7, 80))  # 200 / 80 = 2.5 >= 1.5
+    busy(c, "p0", 5.0)
+    busy(c, "p2", 5.0)
+    _, d = decide(c, "r", prompt(7, 256))
+    assert isinstance(d, Decision)
+    assert (d.prefill, d.pull_source) == ("p1", "p0")
+    (cmd,) = d.replications
+    assert cmd.block_hashes == prompt(7, 200)[80:]  # only what p1 lacks
+
+
+def test_rejects_when_every_option_breaks_the_ttft_slo() -> None:
+    c = make_conductor(admission=AdmissionMode.EARLY)
+    for p in ("p0", "p1", "p2"):
+        busy(c, p, 40.0)  # every queue is beyond the 30 s SLO
+    _, r = decide(c, "r", prompt(1, 64))
+    assert isinstance(r, Rejection)
+    assert r.reason is RejectReason.TTFT_SLO
+    assert r.http_status == 429
+    assert r.predicted_ttft_s is not None and r.predicted_ttft_s > 40.0
+    assert r.limit_s == pytest.approx(30.0 * 0.9)  # "normal" keeps 10 % headroom
+    assert "TTFT" in r.message and "ms" in r.message
+    assert 1.0 <= r.retry_after_s <= 60.0
+    assert c.stats.rejections == {"ttft_slo": 1}
+
+
+def test_admission_none_never_rejects_for_slo() -> None:
+    c = make_conductor(admission=AdmissionMode.NONE)
+    for p in ("p0", "p1", "p2"):
+        busy(c, p, 40.0)
+    _, d = decide(c, "r", prompt(1, 64))
+    assert isinstance(d, Decision)
+    assert d.predicted_ttft_s > 30.0
+
+
+def test_emits_proactive_replication_for_a_hot_prefix_on_busy_holders() -> None:
+    rep = ReplicationSettings(hot_rate_per_s=0.05, holder_queue_threshold_s=1.0,
+                              cooldown_s=100.0)
+    c = Conductor(fleet_settings(prefill=4, policy="cache_aware", replication=rep))
+    hold(c, "p0", prompt(3, 128))
+    busy(c, "p0", 2.0)  # the only holder is the bottleneck
+    cmds = []
+    for i in range(5):
+        req, d = decide(c, f"r{i}", prompt(3, 128) + prompt(100 + i, 8), now=0.01 * i)
+        assert isinstance(d, Decision)
+        cmds += [r for r in d.replications if r.reason is ReplicationReason.PROACTIVE]
+    assert len(cmds) == 1, "cool-down allows one copy per prefix"
+    cmd = cmds[0]
+    assert cmd.source == "p0" and cmd.destination != "p0"
+    assert cmd.block_hashes == prompt(3, 128)
+
+
+def test_no_replication_to_an_instance_that_already_holds_the_prefix() -> None:
+    rep = ReplicationSettings(hot_rate_per_s=0.0, holder_queue_threshold_s=0.5)
+    c = Conductor(fleet_settings(prefill=2, policy="cache_aware", replication=rep))
+    hold(c, "p0", prompt(3, 64))
+    hold(c, "p1", prompt(3, 64))
+    busy(c, "p0", 2.0)
+    busy(c, "p1", 2.0)
+    _, d = decide(c, "r", prompt(3, 64) + prompt(9, 4))
+    assert isinstance(d, Decision)
+    assert d.replications == ()
+
+
+def test_predictive_admits_what_early_rejects_when_decodes_are_about_to_finish() -> None:
+    def loaded(mode: AdmissionMode) -> Conductor:
+        c = make_conductor(prefill=1, decode=1, admission=mode,
+                           slo=SLOSettings(ttft_s=30.0, tbt_s=0.05))
+        d0 = c.instances["d0"]
+        from routing.cluster import DecodeWork
+
+        for i in range(256):  # a full batch with long contexts, each one token from done
+            d0.add_incoming(DecodeWork(f"old{i}", 8000, 1, 0.0))
+            d0.start_decode(f"old{i}", 0.0)
+        return c
+
+    early, predictive = loaded(AdmissionMode.EARLY), loaded(AdmissionMode.PREDICTIVE)
+    blocks = prompt(5, 1024)  # 16k tokens: the prefill takes longer than the batch has left
+    _, r = decide(early, "r", blocks)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TBT_SLO
+    _, d = decide(predictive, "r", blocks)
+    assert isinstance(d, Decision), d
+    assert d.predicted_tbt_s > 0.05  # now it is over the SLO; at arrival it will not be
+
+
+def test_lower_priority_is_shed_first() -> None:
+    c = make_conductor(admission=AdmissionMode.EARLY)
+    for p in ("p0", "p1", "p2"):
+        busy(c, p, 24.0)  # predicted TTFT ~24 s: inside 30 s, outside low's 70 % budget
+    _, high = decide(c, "h", prompt(1, 8), priority="high")
+    _, low = decide(c, "l", prompt(1, 8), priority="low")
+    assert isinstance(high, Decision)
+    assert isinstance(low, Rejection) and low.priority == "low"
+    assert "headroom" in low.message
+
+
+def test_per_request_slo_override_is_clamped_to_operator_limits() -> None:
+    c = make_conductor(admission=AdmissionMode.EARLY)
+    _, d = decide(c, "r", prompt(1, 8), slo_ttft_s=1000.0, slo_tbt_s=0.0001)
+    assert isinstance(d, Decision)
+    assert d.slo_ttft_s == 120.0  # max_ttft_s
+    assert d.slo_tbt_s == 0.005  # min_tbt_s
+
+
+def test_no_healthy_instance_is_a_503_rejection() -> None:
+    c = make_conductor()
+    for p in ("p0", "p1", "p2"):
+        c.set_health(p, False)
+    _, r = decide(c, "r", prompt(1, 8))
+    assert isinstance(r, Rejection)
+    assert r.reason is RejectReason.NO_HEALTHY_PREFILL and r.http_status == 503
+    c.set_health("p1", True)
+    _, d = decide(c, "r2", prompt(1, 8))
+    assert isinstance(d, Decision) and d.prefill == "p1"
+
+
+def test_drained_instance_gets_no_new_work() -> None:
+    c = make_conductor(policy="round_robin")
+    c.drain_instance("p1")
+    chosen = {decide(c, f"r{i}", prompt(i, 8))[1].prefill for i in range(6)}
+    assert chosen == {"p0", "p2"}
+
+
+def test_books_return_to_zero_after_the_request_lifecycle() -> None:
+    c = make_conductor()
+    req, d = decide(c, "r", prompt(1, 64))
+    assert isinstance(d, Decision)
+    c.dispatched(d, req, 0.0)
+    p, dec = c.instances[d.prefill], c.instances[d.decode]
+    assert p.queue_time(0.0) == pytest.approx(d.predicted_prefill_s)
+    assert dec.incoming and dec.batch == 0
+    c.prefill_done("r", 0.1)
+    assert p.queue_time(0.1) == 0.0 and dec.batch == 1
+    assert dec.context_tokens == 64 * 16
+    ttft = c.first_token("r", 0.12)
+    assert ttft == pytest.approx(0.12)
+    c.tokens("r", 10, 0.2)
+    assert dec.context_tokens == 64 * 16 + 10
+    c.finished("r", 0.5, output_tokens=11)
+    assert (dec.batch, dec.context_tokens, dec.reserved_tokens) == (0, 0, 0)
+    assert p.idle and dec.idle and not c.requests
+    # What the gateway routed is now in the cache view (predict-on-route).
+    assert c.index.match(prompt(1, 64), 1.0).local(d.prefill) == 64
+
+
+def test_failure_and_instance_removal_clear_the_books() -> None:
+    c = make_conductor()
+    for i in range(4):
+        req, d = decide(c, f"r{i}", prompt(i, 32))
+        assert isinstance(d, Decision)
+        c.dispatched(d, req, 0.0)
+    c.failed("r0", 0.1)
+    assert "r0" not in c.requests
+    victim = c.requests["r1"].decision.decode
+    affected = c.remove_instance(victim, 0.2)
+    assert "r1" in affected or c.requests["r1"].decision.decode != victim
+    for rid in affected:
+        assert rid not in c.requests
+    for rid in list(c.requests):
+        c.finished(rid, 1.0)
+    for inst in c.instances.values():
+        assert inst.idle and inst.queue_time(1.0) == 0.0 and inst.reserved_tokens == 0
+
+
+def test_colocated_pool_decodes_where_it_prefills() -> None:
+    c = make_conductor(prefill=0, decode=0, colocated=3, policy="least_load")
+    req, d = decide(c, "r", prompt(1, 16))
+    assert isinstance(d, Decision)
+    assert d.prefill == d.decode
+    c.dispatched(d, req, 0.0)
+    c.prefill_done("r", 0.05)
+    assert c.instances[d.decode].batch == 1
+
+
+def test_same_seed_same_decisions() -> None:
+    def run() -> list[tuple[str, str]]:
+        c = make_conductor(policy="random")
+        out = []
+        for i in range(30):
+            req, d = decide(c, f"r{i}", prompt(i % 4, 16), now=i * 0.01)
+            c.dispatched(d, req, i * 0.01)
+            out.append((d.prefill, d.decode))
+        return out
+
+    assert run() == run()
+
+
+def test_live_settings_change_applies_without_rebuilding_state() -> None:
+    c = make_conductor(admission=AdmissionMode.NONE)
+    for p in ("p0", "p1", "p2"):
+        busy(c, p, 40.0)
+    assert isinstance(decide(c, "a", prompt(1, 8))[1], Decision)
+    c.apply_settings(replace(c.settings, admission=replace(c.settings.admission,
+                                                            mode=AdmissionMode.EARLY)))
+    assert isinstance(decide(c, "b", prompt(1, 8))[1], Rejection)
+    assert c.instances["p0"].queue_time(0.0) == pytest.approx(40.0)
