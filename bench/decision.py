@@ -77,8 +77,7 @@ class _Workload:
         self.prompt_blocks = prompt_blocks
         self.block_size = block_size
         self.systems = [
-            tuple(rng.getrandbits(63) for _ in range(max(prompt_blocks // 4, 1)))
-            for _ in range(32)
+            tuple(rng.getrandbits(63) for _ in range(max(prompt_blocks // 4, 1))) for _ in range(32)
         ]
         self.histories = [
             self.systems[i % 32]
@@ -138,9 +137,7 @@ def run(instances: int, prompt_blocks: int, requests: int = 2000, seed: int = 0)
     rng = random.Random(seed)
     settings = build_settings(instances)
     # Admit everything during warm-up so the state is as loaded as asked.
-    conductor = Conductor(
-        replace(settings, admission=AdmissionSettings(mode=AdmissionMode.NONE))
-    )
+    conductor = Conductor(replace(settings, admission=AdmissionSettings(mode=AdmissionMode.NONE)))
     work = _Workload(rng, prompt_blocks, settings.routing.block_size)
     now = warm(conductor, work, rng)
     conductor.apply_settings(settings)
@@ -170,14 +167,24 @@ def run(instances: int, prompt_blocks: int, requests: int = 2000, seed: int = 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--instances", type=int, default=16,
-                        help="prefill instances (and as many decode instances); default 16")
-    parser.add_argument("--prompt-blocks", type=int, default=64,
-                        help="blocks per prompt (16 tokens each); default 64")
-    parser.add_argument("--requests", type=int, default=2000,
-                        help="measured decisions; default 2000")
-    parser.add_argument("--sweep", action="store_true",
-                        help="run N in {8,16,64} x B in {16,64,256}")
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=16,
+        help="prefill instances (and as many decode instances); default 16",
+    )
+    parser.add_argument(
+        "--prompt-blocks",
+        type=int,
+        default=64,
+        help="blocks per prompt (16 tokens each); default 64",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="measured decisions; default 2000"
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="run N in {8,16,64} x B in {16,64,256}"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
@@ -185,8 +192,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     for name in ("instances", "prompt_blocks", "requests"):
         if getattr(args, name) < 1:
-            print(f"kvgate bench decision: --{name.replace('_', '-')} must be >= 1",
-                  file=sys.stderr)
+            print(
+                f"kvgate bench decision: --{name.replace('_', '-')} must be >= 1", file=sys.stderr
+            )
             return 2
     grid = (
         [(n, b) for n in (8, 16, 64) for b in (16, 64, 256)]

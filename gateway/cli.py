@@ -26,8 +26,10 @@ def _config_check(args: argparse.Namespace) -> int:
         print(json.dumps(settings_to_dict(settings), indent=2))
     else:
         n = len(settings.instances())
-        print(f"{args.file}: ok ({len(settings.pools)} pools, {n} instances, "
-              f"policy {settings.routing.policy}, admission {settings.admission.mode})")
+        print(
+            f"{args.file}: ok ({len(settings.pools)} pools, {n} instances, "
+            f"policy {settings.routing.policy}, admission {settings.admission.mode})"
+        )
     return 0
 
 

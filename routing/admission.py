@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
-from routing.types import RejectReason, Rejection, RequestInfo
+from routing.types import Rejection, RejectReason, RequestInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ Time is always an argument; nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ from routing.types import (
     Decision,
     DecisionStats,
     KVEvent,
-    RejectReason,
     Rejection,
+    RejectReason,
     ReplicationCommand,
     RequestInfo,
     Tier,
@@ -89,10 +90,15 @@ class Conductor:
         old = getattr(self, "settings", None)
         self.settings = settings
         self.admission = Admission(settings.admission)
-        if old is None or not hasattr(self, "policy") or (
-            old.routing.policy,
-            dict(old.routing.params),
-        ) != (settings.routing.policy, dict(settings.routing.params)):
+        if (
+            old is None
+            or not hasattr(self, "policy")
+            or (
+                old.routing.policy,
+                dict(old.routing.params),
+            )
+            != (settings.routing.policy, dict(settings.routing.params))
+        ):
             self.policy: Policy = build_policy(settings.routing.policy, settings.routing.params)
             self.rng = random.Random(settings.routing.seed)
         if old is None or not hasattr(self, "planner") or old.replication != settings.replication:
@@ -171,8 +177,15 @@ class Conductor:
             transfer_allowed=len(self.planner.in_flight) < self.settings.replication.max_in_flight,
         )
         ctx = PlacementContext(
-            req, now, match, self._prefill, self._decode, estimator, self.rng,
-            predicted_output, self.block_size,
+            req,
+            now,
+            match,
+            self._prefill,
+            self._decode,
+            estimator,
+            self.rng,
+            predicted_output,
+            self.block_size,
         )
         option = self.policy.select_prefill(ctx)
         if option.pull_source not in (None, "store") and not self.planner.can_issue(
@@ -224,26 +237,25 @@ class Conductor:
             return prefill, tbt, tbt, self._retry_hint(prefill, ctx.now)
         chosen = self.policy.select_decode(ctx)
         if chosen is not None:
-            ranked = [(chosen.tbt_now(1, req.prompt_tokens), chosen)]
+            ranked = [(chosen.tbt_now(1, req.prompt_tokens), 0, chosen)]
         else:
-            ranked = sorted(
-                (
-                    (d.tbt_now(1, req.prompt_tokens), d)
-                    for d in self._decode
-                    if d.kv_fits(need) and d.batch < d.max_batch
-                ),
-                key=lambda t: (t[0], t[1].bit_order),
-            )
+            p = req.prompt_tokens
+            fits = [
+                (d.predictors.decode.step_time(d.batch + 1, d.context_tokens + p), d.bit_order, d)
+                for d in self._decode
+                if d.reserved_tokens + need <= d.capacity_tokens and d.batch < d.max_batch
+            ]
+            ranked = heapq.nsmallest(_FORECAST_CANDIDATES, fits)
             if not ranked:
                 if self.admission.mode is not AdmissionMode.NONE:
                     return None, 0.0, 0.0, 0.0
-                ranked = [(d.tbt_now(1, req.prompt_tokens), d) for d in self._decode[:1]]
+                ranked = [(d.tbt_now(1, req.prompt_tokens), 0, d) for d in self._decode[:1]]
         if self.admission.mode is not AdmissionMode.PREDICTIVE:
-            tbt, d = ranked[0]
+            tbt, _, d = ranked[0]
             return d, tbt, tbt, self._retry_hint(d, ctx.now)
         arrive = ctx.now + option.ttft_s
         best = None
-        for tbt, d in ranked[:_FORECAST_CANDIDATES]:
+        for tbt, _, d in ranked:
             at = arrive + d.predictors.link.time(req.prompt_tokens)
             fc = d.forecast(at, ctx.now, req.prompt_tokens).tbt_s
             if best is None or fc < best[2]:
@@ -265,8 +277,12 @@ class Conductor:
         cmds: list[ReplicationCommand] = []
         if option.pull_source not in (None, "store"):
             cmd = planner.reactive(
-                req, option.pull_source, option.instance.id, option.pull_from_block,
-                option.cached_blocks, now,
+                req,
+                option.pull_source,
+                option.instance.id,
+                option.pull_from_block,
+                option.cached_blocks,
+                now,
             )
             if cmd is not None:
                 cmds.append(cmd)
@@ -283,8 +299,11 @@ class Conductor:
     ) -> Rejection:
         pool = "prefill" if reason is RejectReason.NO_HEALTHY_PREFILL else "decode"
         rej = Rejection(
-            req.request_id, reason, f"no healthy {pool} instance is available",
-            self.settings.admission.retry_after_min_s, priority=slo.priority.name,
+            req.request_id,
+            reason,
+            f"no healthy {pool} instance is available",
+            self.settings.admission.retry_after_min_s,
+            priority=slo.priority.name,
             no_capacity=True,
         )
         self._count_rejection(rej)
@@ -294,9 +313,11 @@ class Conductor:
         self, req: RequestInfo, slo: EffectiveSLO, option: PrefillOption
     ) -> Rejection:
         rej = Rejection(
-            req.request_id, RejectReason.KV_CAPACITY,
+            req.request_id,
+            RejectReason.KV_CAPACITY,
             "no decode instance has KV cache room for the prompt and its predicted output",
-            self.settings.admission.retry_after_min_s, predicted_ttft_s=option.ttft_s,
+            self.settings.admission.retry_after_min_s,
+            predicted_ttft_s=option.ttft_s,
             priority=slo.priority.name,
         )
         self._count_rejection(rej)
@@ -313,9 +334,7 @@ class Conductor:
         record = RequestRecord(req, decision, now)
         ready = now + decision.predicted_transfer_s
         if decision.pull_source not in (None, "store"):
-            record.pull_bytes = prefill.predictors.link.bytes_for(
-                decision.cached_tokens
-            )
+            record.pull_bytes = prefill.predictors.link.bytes_for(decision.cached_tokens)
             prefill.inbound_bytes += record.pull_bytes
             self.stats.transfers += 1
         work = prefill.enqueue_prefill(
@@ -329,8 +348,7 @@ class Conductor:
         if decode is not prefill:
             arrival += decode.predictors.link.time(req.prompt_tokens)
         decode.add_incoming(
-            DecodeWork(req.request_id, req.prompt_tokens, decision.predicted_output_tokens,
-                       arrival)
+            DecodeWork(req.request_id, req.prompt_tokens, decision.predicted_output_tokens, arrival)
         )
         self.index.record_route(prefill.id, req.block_hashes, now)
         self.requests[req.request_id] = record
@@ -396,9 +414,7 @@ class Conductor:
     def store_event(self, event: KVEvent) -> None:
         self.index.apply_store(event)
 
-    def replication_done(
-        self, command_id: str, ok: bool, now: float
-    ) -> ReplicationCommand | None:
+    def replication_done(self, command_id: str, ok: bool, now: float) -> ReplicationCommand | None:
         """A copy finished. On success the destination holds the blocks; on failure the index
         is unchanged and a retry command may be returned."""
         entry = self.planner.in_flight.get(command_id)

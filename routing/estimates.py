@@ -43,6 +43,7 @@ class TTFTEstimator:
     __slots__ = (
         "_cache",
         "_holders",
+        "_sources",
         "block_size",
         "match",
         "min_transfer_blocks",
@@ -73,6 +74,11 @@ class TTFTEstimator:
         self.transfer_allowed = transfer_allowed
         self._holders = holders
         self._cache: dict[tuple[int, int], float] = {}
+        self._sources: list[tuple[float, int, str]] | None = None
+
+    def min_prefill(self, inst: InstanceState) -> float:
+        """A lower bound on any option's prefill time: the longest prefix anyone offers."""
+        return self.prefill_time(inst, max(self.match.best_blocks, self.match.store_blocks))
 
     def cached_tokens(self, blocks: int) -> int:
         # The engine always computes at least the last prompt token.
@@ -99,7 +105,13 @@ class TTFTEstimator:
         queue = inst.queue_time(self.now)
         prefill = self.prefill_time(inst, local)
         return PrefillOption(
-            inst, load + queue + prefill, queue, prefill, 0.0, load, local,
+            inst,
+            load + queue + prefill,
+            queue,
+            prefill,
+            0.0,
+            load,
+            local,
             self.cached_tokens(local),
         )
 
@@ -123,8 +135,16 @@ class TTFTEstimator:
                 ttft = transfer + opt.queue_s + prefill
                 if ttft < opt.ttft_s:
                     opt = PrefillOption(
-                        inst, ttft, opt.queue_s, prefill, transfer, opt.load_s, best,
-                        self.cached_tokens(best), source, local,
+                        inst,
+                        ttft,
+                        opt.queue_s,
+                        prefill,
+                        transfer,
+                        opt.load_s,
+                        best,
+                        self.cached_tokens(best),
+                        source,
+                        local,
                     )
         store = match.store_blocks
         if store > opt.cached_blocks and store - local >= self.min_transfer_blocks:
@@ -134,23 +154,31 @@ class TTFTEstimator:
             ttft = load + opt.queue_s + prefill
             if ttft < opt.ttft_s:
                 opt = PrefillOption(
-                    inst, ttft, opt.queue_s, prefill, 0.0, load, store,
-                    self.cached_tokens(store), STORE_SOURCE, local,
+                    inst,
+                    ttft,
+                    opt.queue_s,
+                    prefill,
+                    0.0,
+                    load,
+                    store,
+                    self.cached_tokens(store),
+                    STORE_SOURCE,
+                    local,
                 )
         return opt
 
     def _pick_source(self, dest: InstanceState) -> str | None:
-        # Of the instances holding the best prefix, pull from the one with the least
-        # outbound pressure; the destination itself never counts.
-        best_id: str | None = None
-        best_q = float("inf")
-        for hid in self.match.best_holders:
-            if hid == dest.id:
-                continue
-            h = self._holders.get(hid)
-            if h is None or not h.healthy:
-                continue
-            q = h.queue_time(self.now)
-            if q < best_q:
-                best_id, best_q = hid, q
-        return best_id
+        # Of the instances holding the best prefix, pull from the least busy one; the
+        # destination itself never counts. The two best are found once per request.
+        if self._sources is None:
+            ranked = []
+            for hid in self.match.best_holders:
+                h = self._holders.get(hid)
+                if h is not None and h.healthy:
+                    ranked.append((h.queue_time(self.now), h.bit_order, hid))
+            ranked.sort()
+            self._sources = ranked[:2]
+        for _, _, hid in self._sources:
+            if hid != dest.id:
+                return hid
+        return None

@@ -123,8 +123,9 @@ class HotspotPlanner:
         blocks = req.block_hashes[from_block:to_block]
         if not blocks or (blocks[-1], destination) in self._pending:
             return None
-        return self._issue(source, destination, blocks, ReplicationReason.REACTIVE, now,
-                           req.request_id)
+        return self._issue(
+            source, destination, blocks, ReplicationReason.REACTIVE, now, req.request_id
+        )
 
     def proactive(
         self,
@@ -162,8 +163,12 @@ class HotspotPlanner:
             return None
         local = match.local_blocks.get(dest.id, 0)
         return self._issue(
-            source.id, dest.id, req.block_hashes[local:blocks], ReplicationReason.PROACTIVE,
-            now, None,
+            source.id,
+            dest.id,
+            req.block_hashes[local:blocks],
+            ReplicationReason.PROACTIVE,
+            now,
+            None,
         )
 
     # ---- lifecycle ----
@@ -201,7 +206,8 @@ class HotspotPlanner:
 
     def forget_instance(self, instance_id: str) -> None:
         for cid in [
-            c for c, e in self.in_flight.items()
+            c
+            for c, e in self.in_flight.items()
             if instance_id in (e.command.source, e.command.destination)
         ]:
             cmd = self.in_flight.pop(cid).command

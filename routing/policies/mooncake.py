@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from config.settings import AdmissionMode
+from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
 from routing.policies.base import PlacementContext, PolicyBase
+
+
+def _argmin_ttft(
+    ctx: PlacementContext, option: Callable[[InstanceState], PrefillOption]
+) -> PrefillOption:
+    """The option with the least predicted TTFT over the prefill candidates.
+
+    Queue + the cheapest prefill any option could have bounds an instance's TTFT from below,
+    so instances that cannot beat the best so far are skipped: same result, fewer estimates.
+    """
+    est = ctx.estimator
+    now = ctx.now
+    bounds: dict[int, float] = {}
+    best: PrefillOption | None = None
+    best_ttft = float("inf")
+    for inst in ctx.prefill_candidates:
+        queue = inst.busy_until_s - now
+        if best is not None:
+            key = id(inst.predictors)
+            floor = bounds.get(key)
+            if floor is None:
+                floor = bounds[key] = est.min_prefill(inst)
+            if queue + floor >= best_ttft:
+                continue
+        opt = option(inst)
+        if opt.ttft_s < best_ttft:
+            best, best_ttft = opt, opt.ttft_s
+    assert best is not None
+    return best
 
 
 class CacheAwarePolicy(PolicyBase):
@@ -19,14 +50,7 @@ class CacheAwarePolicy(PolicyBase):
     native_admission: ClassVar[AdmissionMode] = AdmissionMode.EARLY
 
     def select_prefill(self, ctx: PlacementContext) -> PrefillOption:
-        est = ctx.estimator
-        best = None
-        for inst in ctx.prefill_candidates:
-            opt = est.local(inst)
-            if best is None or opt.ttft_s < best.ttft_s:
-                best = opt
-        assert best is not None
-        return best
+        return _argmin_ttft(ctx, ctx.estimator.local)
 
 
 class KVCacheCentricPolicy(PolicyBase):
@@ -41,11 +65,4 @@ class KVCacheCentricPolicy(PolicyBase):
     uses_transfers: ClassVar[bool] = True
 
     def select_prefill(self, ctx: PlacementContext) -> PrefillOption:
-        est = ctx.estimator
-        best = None
-        for inst in ctx.prefill_candidates:
-            opt = est.best(inst)
-            if best is None or opt.ttft_s < best.ttft_s:
-                best = opt
-        assert best is not None
-        return best
+        return _argmin_ttft(ctx, ctx.estimator.best)

@@ -62,9 +62,7 @@ def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
             )
         default = param.default
         if default is not inspect.Parameter.empty and not _same_kind(default, value):
-            raise PolicyError(
-                f"routing.params.{key}", value, f"expected {type(default).__name__}"
-            )
+            raise PolicyError(f"routing.params.{key}", value, f"expected {type(default).__name__}")
     return cls(**dict(params or {}))
 
 

@@ -32,21 +32,43 @@ def fleet_settings(
 ) -> Settings:
     pools = []
     if prefill:
-        pools.append(PoolSettings("prefill", Role.PREFILL, tuple(
-            InstanceSettings(f"p{i}", f"http://127.0.0.1:{9100 + i}", Role.PREFILL)
-            for i in range(prefill))))
+        pools.append(
+            PoolSettings(
+                "prefill",
+                Role.PREFILL,
+                tuple(
+                    InstanceSettings(f"p{i}", f"http://127.0.0.1:{9100 + i}", Role.PREFILL)
+                    for i in range(prefill)
+                ),
+            )
+        )
     if decode:
-        pools.append(PoolSettings("decode", Role.DECODE, tuple(
-            InstanceSettings(f"d{i}", f"http://127.0.0.1:{9200 + i}", Role.DECODE)
-            for i in range(decode))))
+        pools.append(
+            PoolSettings(
+                "decode",
+                Role.DECODE,
+                tuple(
+                    InstanceSettings(f"d{i}", f"http://127.0.0.1:{9200 + i}", Role.DECODE)
+                    for i in range(decode)
+                ),
+            )
+        )
     if colocated:
-        pools.append(PoolSettings("both", Role.BOTH, tuple(
-            InstanceSettings(f"c{i}", f"http://127.0.0.1:{9300 + i}", Role.BOTH)
-            for i in range(colocated))))
+        pools.append(
+            PoolSettings(
+                "both",
+                Role.BOTH,
+                tuple(
+                    InstanceSettings(f"c{i}", f"http://127.0.0.1:{9300 + i}", Role.BOTH)
+                    for i in range(colocated)
+                ),
+            )
+        )
     settings = Settings(
         slo=SLOSettings(ttft_s=30.0, tbt_s=0.1),
-        routing=RoutingSettings(policy=policy, block_size=BLOCK, min_transfer_blocks=4,
-                                kvcache_balancing_threshold=1.5),
+        routing=RoutingSettings(
+            policy=policy, block_size=BLOCK, min_transfer_blocks=4, kvcache_balancing_threshold=1.5
+        ),
         admission=AdmissionSettings(mode=admission),
         replication=ReplicationSettings(),
         pools=tuple(pools),
@@ -83,8 +105,9 @@ def hold(conductor: Conductor, instance: str, blocks: tuple[int, ...]) -> None:
 
 def busy(conductor: Conductor, instance: str, seconds: float, now: float = 0.0) -> None:
     """Queue `seconds` of prefill work on an instance (as if other requests were dispatched)."""
-    conductor.instances[instance].enqueue_prefill(f"filler-{instance}-{seconds}", seconds,
-                                                  1024, now, now)
+    conductor.instances[instance].enqueue_prefill(
+        f"filler-{instance}-{seconds}", seconds, 1024, now, now
+    )
 
 
 def make_conductor(**kw: object) -> Conductor:

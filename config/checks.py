@@ -1,0 +1,262 @@
+"""Semantic checks on well-typed settings: ranges, cross-field limits, uniqueness, topology.
+
+Types are already right when these run (``config.coerce``); each check here is a mistake a
+user can make in a config file that would otherwise surface later as odd routing behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from config.errors import MISSING, IssueCollector
+from config.settings import (
+    AdmissionSettings,
+    InstanceSettings,
+    PoolSettings,
+    PredictorSettings,
+    Protocol,
+    ReplicationSettings,
+    Role,
+    RoutingSettings,
+    ServerSettings,
+    Settings,
+    SLOSettings,
+)
+
+MAX_BLOCK_SIZE = 4096
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def inherit_pool_role(pool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An instance table inside a pool may omit ``role``: it inherits the pool's role."""
+    role, instances = pool.get("role"), pool.get("instances")
+    if (
+        not isinstance(role, str)
+        or role.lower() not in {r.value for r in Role}
+        or not isinstance(instances, list)
+    ):
+        return pool  # an invalid pool role is reported once, on the pool, not on every instance
+    filled = [
+        {"role": role, **inst} if isinstance(inst, Mapping) and "role" not in inst else inst
+        for inst in instances
+    ]
+    return {**pool, "instances": filled}
+
+
+class _Checker:
+    def __init__(self, issues: IssueCollector) -> None:
+        self.issues = issues
+
+    def require(self, ok: bool, key: str, value: Any, message: str) -> None:
+        if not ok:
+            self.issues.add(key, value, message)
+
+    def positive(self, key: str, value: float | None) -> None:
+        if value is not None:
+            self.require(value > 0, key, value, "must be > 0")
+
+    def at_least(self, key: str, value: float | None, low: float) -> None:
+        if value is not None:
+            self.require(value >= low, key, value, f"must be >= {low}")
+
+    def between(self, key: str, value: float | None, low: float, high: float) -> None:
+        if value is not None:
+            self.require(low <= value <= high, key, value, f"must be in {low}..{high}")
+
+    def fraction(self, key: str, value: float) -> None:
+        self.require(0.0 <= value < 1.0, key, value, "must be in [0, 1)")
+
+    def non_empty(self, key: str, value: str | None) -> None:
+        if value is not None:
+            self.require(value.strip() != "", key, value, "must not be empty")
+
+    def ordered(self, low_key: str, low: float, high_key: str, high: float) -> None:
+        """low <= high, reported on whichever key an override set (that is what changed)."""
+        if low <= high:
+            return
+        if self.issues.origin(high_key) and not self.issues.origin(low_key):
+            self.issues.add(high_key, high, f"must be >= {low_key} ({low})")
+        else:
+            self.issues.add(low_key, low, f"must be <= {high_key} ({high})")
+
+    def unique(
+        self, key: str, value: Any, seen: dict[Any, str], what: str, norm: Any = None
+    ) -> None:
+        """``value`` (compared as ``norm`` when given) must not have been seen before."""
+        ident = value if norm is None else norm
+        if ident in seen:
+            self.issues.add(key, value, f"duplicate {what} (also at {seen[ident]})")
+        else:
+            seen[ident] = key
+
+
+def check_settings(s: Settings, issues: IssueCollector) -> None:
+    c = _Checker(issues)
+    _check_slo(c, s.slo)
+    _check_routing(c, s.routing)
+    _check_admission(c, s.admission)
+    _check_predictors(c, s.predictors)
+    _check_pools(c, s.pools)
+    _check_replication(c, s.replication)
+    _check_server(c, s.server)
+
+
+def _check_slo(c: _Checker, slo: SLOSettings) -> None:
+    for name in ("ttft_s", "tbt_s", "min_ttft_s", "min_tbt_s"):
+        c.positive(f"slo.{name}", getattr(slo, name))
+    c.ordered("slo.min_ttft_s", slo.min_ttft_s, "slo.max_ttft_s", slo.max_ttft_s)
+    c.ordered("slo.min_tbt_s", slo.min_tbt_s, "slo.max_tbt_s", slo.max_tbt_s)
+    names: dict[Any, str] = {}
+    levels: dict[Any, str] = {}
+    for i, p in enumerate(slo.priorities):
+        key = f"slo.priorities[{i}]"
+        c.non_empty(f"{key}.name", p.name)
+        c.unique(f"{key}.name", p.name, names, "priority name")
+        c.unique(f"{key}.level", p.level, levels, "priority level")
+        c.fraction(f"{key}.headroom", p.headroom)
+        c.positive(f"{key}.ttft_s", p.ttft_s)
+        c.positive(f"{key}.tbt_s", p.tbt_s)
+    known = ", ".join(f'"{p.name}"' for p in slo.priorities) or "none defined"
+    c.require(
+        slo.default_priority in names,
+        "slo.default_priority",
+        slo.default_priority,
+        f"must name a priority class (known: {known})",
+    )
+
+
+def _check_routing(c: _Checker, r: RoutingSettings) -> None:
+    c.non_empty("routing.policy", r.policy)
+    c.between("routing.block_size", r.block_size, 1, MAX_BLOCK_SIZE)
+    c.at_least("routing.kvcache_balancing_threshold", r.kvcache_balancing_threshold, 1)
+    c.at_least("routing.min_transfer_blocks", r.min_transfer_blocks, 0)
+    c.positive("routing.predict_on_route_ttl_s", r.predict_on_route_ttl_s)
+    c.non_empty("routing.tokenizer_file", r.tokenizer_file)
+    c.positive("routing.chars_per_token", r.chars_per_token)
+    c.at_least("routing.seed", r.seed, 0)  # numpy's default_rng rejects negative seeds
+
+
+def _check_admission(c: _Checker, a: AdmissionSettings) -> None:
+    c.positive("admission.ttft_margin", a.ttft_margin)
+    c.positive("admission.tbt_margin", a.tbt_margin)
+    c.at_least("admission.retry_after_min_s", a.retry_after_min_s, 0)
+    c.positive("admission.retry_after_max_s", a.retry_after_max_s)
+    c.ordered(
+        "admission.retry_after_min_s",
+        a.retry_after_min_s,
+        "admission.retry_after_max_s",
+        a.retry_after_max_s,
+    )
+
+
+def _check_predictors(c: _Checker, p: PredictorSettings) -> None:
+    c.non_empty("predictors.profile", p.profile)
+    c.non_empty("predictors.prefill_model_file", p.prefill_model_file)
+    c.at_least("predictors.overhead_ms", p.overhead_ms, 0)
+    for name in ("link_bandwidth_gbps", "host_load_gbps", "store_load_gbps"):
+        c.positive(f"predictors.{name}", getattr(p, name))
+    c.at_least("predictors.output_length_history", p.output_length_history, 1)
+    c.fraction("predictors.output_length_quantile", p.output_length_quantile)
+    c.at_least("predictors.default_output_tokens", p.default_output_tokens, 1)
+
+
+def _check_pools(c: _Checker, pools: tuple[PoolSettings, ...]) -> None:
+    pool_names: dict[Any, str] = {}
+    ids: dict[Any, str] = {}
+    urls: dict[Any, str] = {}
+    disaggregated: list[tuple[str, InstanceSettings]] = []
+    for i, pool in enumerate(pools):
+        key = f"pools[{i}]"
+        c.non_empty(f"{key}.name", pool.name)
+        c.unique(f"{key}.name", pool.name, pool_names, "pool name")
+        for j, inst in enumerate(pool.instances):
+            ikey = f"{key}.instances[{j}]"
+            _check_instance(c, ikey, inst, pool)
+            c.unique(f"{ikey}.id", inst.id, ids, "instance id")
+            c.unique(f"{ikey}.url", inst.url, urls, "instance url", inst.url.rstrip("/").lower())
+            if inst.role is not Role.BOTH:
+                disaggregated.append((ikey, inst))
+    roles = {inst.role for _, inst in disaggregated}
+    if len(roles) == 1:
+        have = roles.pop()
+        need = Role.DECODE if have is Role.PREFILL else Role.PREFILL
+        c.require(False, "pools", MISSING, f"has {have} instances but no {need} instance")
+    protocols = {inst.protocol for _, inst in disaggregated}
+    if len(protocols) > 1:
+        # KV moves from prefill to decode engines; vLLM and SGLang cannot exchange it.
+        ikey, inst = disaggregated[-1]
+        first = disaggregated[0][1].protocol
+        msg = f"prefill/decode instances must share one protocol (others use {first})"
+        c.require(False, f"{ikey}.protocol", inst.protocol, msg)
+
+
+def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSettings) -> None:
+    c.non_empty(f"{key}.id", inst.id)
+    parts = urlsplit(inst.url)
+    c.require(
+        parts.scheme in ("http", "https") and bool(parts.hostname),
+        f"{key}.url",
+        inst.url,
+        "must be an http:// or https:// URL with a host",
+    )
+    try:
+        port_ok = parts.port is None or parts.port >= 1
+    except ValueError:  # non-numeric or > 65535
+        port_ok = False
+    c.require(port_ok, f"{key}.url", inst.url, "has an invalid port (must be 1..65535)")
+    c.require(
+        inst.role is pool.role,
+        f"{key}.role",
+        inst.role,
+        f'must match its pool\'s role "{pool.role}" (or be omitted to inherit it)',
+    )
+    c.non_empty(f"{key}.profile", inst.profile)
+    c.at_least(f"{key}.capacity_tokens", inst.capacity_tokens, 1)
+    c.at_least(f"{key}.host_capacity_tokens", inst.host_capacity_tokens, 0)
+    c.at_least(f"{key}.max_batch", inst.max_batch, 1)
+    c.between(f"{key}.bootstrap_port", inst.bootstrap_port, 1, 65535)
+    if inst.bootstrap_port is not None:
+        c.require(
+            inst.protocol is Protocol.SGLANG,
+            f"{key}.bootstrap_port",
+            inst.bootstrap_port,
+            f'is only used with protocol = "sglang" (this instance is "{inst.protocol}")',
+        )
+    if inst.kv_events_endpoint is not None:
+        c.require(
+            inst.kv_events_endpoint.startswith(_ZMQ_SCHEMES),
+            f"{key}.kv_events_endpoint",
+            inst.kv_events_endpoint,
+            "must be a ZMQ endpoint such as tcp://127.0.0.1:5557",
+        )
+
+
+def _check_replication(c: _Checker, r: ReplicationSettings) -> None:
+    for name in ("hot_rate_per_s", "rate_half_life_s", "timeout_s"):
+        c.positive(f"replication.{name}", getattr(r, name))
+    for name in ("min_prefix_blocks", "max_replicas", "max_in_flight"):
+        c.at_least(f"replication.{name}", getattr(r, name), 1)
+    c.at_least("replication.max_in_flight_per_destination", r.max_in_flight_per_destination, 1)
+    c.ordered(
+        "replication.max_in_flight_per_destination",
+        r.max_in_flight_per_destination,
+        "replication.max_in_flight",
+        r.max_in_flight,
+    )
+    for name in ("holder_queue_threshold_s", "cooldown_s", "max_retries"):
+        c.at_least(f"replication.{name}", getattr(r, name), 0)
+
+
+def _check_server(c: _Checker, s: ServerSettings) -> None:
+    c.non_empty("server.host", s.host)
+    c.between("server.port", s.port, 1, 65535)
+    if s.admin_token is not None:
+        # A token read from a file often carries a trailing newline; it would never match.
+        c.require(
+            s.admin_token != "" and s.admin_token == "".join(s.admin_token.split()),
+            "server.admin_token",
+            s.admin_token,
+            "must be non-empty and contain no whitespace",
+        )

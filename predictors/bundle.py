@@ -1,0 +1,62 @@
+"""Everything the scheduler needs to predict one instance's timings, built from settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config.settings import PredictorSettings
+from predictors.decode import DecodeStepModel
+from predictors.grid import load_compiled
+from predictors.prefill import AnalyticPrefill, PrefillTimeModel
+from predictors.profiles import EngineProfile, get_profile
+from predictors.transfer import TransferModel
+
+
+@dataclass(frozen=True)
+class InstancePredictors:
+    profile: EngineProfile
+    prefill: PrefillTimeModel
+    decode: DecodeStepModel
+    link: TransferModel  # KV transfer prefill -> decode and prefix pulls between instances
+    host_load: TransferModel  # host-memory tier (HiCache L2) -> GPU
+    store_load: TransferModel  # shared store (HiCache L3 / Mooncake store) -> GPU
+
+
+def load_prefill_model(path: str, profile: EngineProfile, overhead_ms: float) -> PrefillTimeModel:
+    """The compiled table of a model saved by ``kvgate predictors train`` (no LightGBM needed).
+
+    Models trained on GPU-only calibration grids get the per-step overhead added here; models
+    trained on observed engine timings already include it. A model trained for another profile
+    is refused rather than silently applied to the wrong hardware."""
+    grid, meta = load_compiled(path)
+    trained_for = meta.get("profile")
+    if trained_for is not None and trained_for != profile.name:
+        raise ValueError(
+            f"{path}: prefill model was trained for profile {trained_for!r}, not {profile.name!r}"
+        )
+    if not meta.get("includes_overhead", True):
+        grid = grid.with_overhead(overhead_ms / 1000.0)
+    return grid
+
+
+def build_instance_predictors(
+    settings: PredictorSettings, profile_name: str | None = None
+) -> InstancePredictors:
+    """``profile_name`` None = ``settings.profile`` (an instance's own profile overrides it).
+
+    Reads ``settings.prefill_model_file`` when set: call at startup/reload, not per request."""
+    profile = get_profile(profile_name or settings.profile)
+    prefill: PrefillTimeModel
+    if settings.prefill_model_file:
+        prefill = load_prefill_model(settings.prefill_model_file, profile, settings.overhead_ms)
+    else:
+        prefill = AnalyticPrefill.from_profile(profile, settings.overhead_ms)
+    kv = profile.kv_bytes_per_token
+    return InstancePredictors(
+        profile=profile,
+        prefill=prefill,
+        decode=DecodeStepModel.from_profile(profile, settings.overhead_ms),
+        link=TransferModel.from_gbps(kv, settings.link_bandwidth_gbps),
+        host_load=TransferModel.from_gbps(kv, settings.host_load_gbps),
+        store_load=TransferModel.from_gbps(kv, settings.store_load_gbps),
+    )

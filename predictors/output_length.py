@@ -1,0 +1,114 @@
+"""Output-length prediction from recent history, per prefix key with a global fallback.
+
+Requests sharing a key (e.g. a hash of the system-prompt prefix) tend to produce similar output
+lengths. ``predict`` is on the routing path, so every estimate is computed at ``observe`` time
+and ``predict`` is a dict lookup plus a clamp. Memory is bounded: ``history`` outputs per key,
+``max_keys`` keys (least-recently-observed evicted) and a ``global_window`` of recent outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+
+from config.settings import PredictorSettings
+
+
+def quantile(values: Iterable[int], q: float) -> int:
+    """Linear-interpolation quantile (numpy's default), rounded to whole tokens."""
+    s = sorted(values)
+    if not s:
+        raise ValueError("quantile of no values")
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return round(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+
+
+class _KeyHistory:
+    __slots__ = ("estimate", "outputs")
+
+    def __init__(self, history: int) -> None:
+        self.outputs: deque[int] = deque(maxlen=history)
+        self.estimate = 0
+
+
+class OutputLengthPredictor:
+    def __init__(
+        self,
+        history: int,
+        quantile: float,
+        default_tokens: int,
+        *,
+        max_keys: int = 100_000,
+        global_window: int = 4096,
+        global_refresh: int = 64,
+    ) -> None:
+        if history < 1 or max_keys < 1 or global_window < 1 or global_refresh < 1:
+            raise ValueError("history, max_keys, global_window and global_refresh must be >= 1")
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+        if default_tokens < 1:
+            raise ValueError("default_tokens must be >= 1")
+        self.history = history
+        self.quantile = quantile
+        self.default_tokens = default_tokens
+        self.max_keys = max_keys
+        self.global_refresh = global_refresh
+        self._keys: OrderedDict[int, _KeyHistory] = OrderedDict()
+        self._recent: deque[int] = deque(maxlen=global_window)
+        self._global: int | None = None
+        self._since_refresh = 0
+
+    @classmethod
+    def from_settings(cls, settings: PredictorSettings) -> OutputLengthPredictor:
+        return cls(
+            settings.output_length_history,
+            settings.output_length_quantile,
+            settings.default_output_tokens,
+        )
+
+    def observe(self, key: int | None, output_tokens: int) -> None:
+        """Record a finished request's output length (``key`` None: global history only)."""
+        if output_tokens < 0:
+            raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
+        if key is not None:
+            entry = self._keys.get(key)
+            if entry is None:
+                entry = self._keys[key] = _KeyHistory(self.history)
+                if len(self._keys) > self.max_keys:
+                    self._keys.popitem(last=False)
+            else:
+                self._keys.move_to_end(key)
+            entry.outputs.append(output_tokens)
+            # Sorting <= `history` (default 64) ints here keeps predict O(1).
+            entry.estimate = quantile(entry.outputs, self.quantile)
+        self._recent.append(output_tokens)
+        self._since_refresh += 1
+        # The global quantile over a few thousand values is refreshed every `global_refresh`
+        # observations (and on the first, so the default is used only before any data).
+        if self._global is None or self._since_refresh >= self.global_refresh:
+            self._global = quantile(self._recent, self.quantile)
+            self._since_refresh = 0
+
+    def predict(self, key: int | None, max_tokens: int) -> int:
+        """Per-key estimate, else the global one, else the default; clamped to [1, max_tokens]
+        (1 if ``max_tokens`` < 1: a request always produces at least one token)."""
+        entry = self._keys.get(key) if key is not None else None
+        if entry is not None:
+            est = entry.estimate
+        elif self._global is not None:
+            est = self._global
+        else:
+            est = self.default_tokens
+        if est > max_tokens:
+            est = max_tokens
+        return est if est >= 1 else 1
+
+    @property
+    def tracked_keys(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._keys

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+
+from config.settings import PredictorSettings, Role
+from predictors.bundle import build_instance_predictors
+from routing.cluster import DecodeWork, InstanceState
+
+
+def inst(role: Role = Role.DECODE) -> InstanceState:
+    preds = build_instance_predictors(PredictorSettings(), "llama3-8b-h100-tp1")
+    return InstanceState("i", role, preds, capacity_tokens=100_000, max_batch=64)
+
+
+def test_fcfs_queue_time_and_reanchoring_on_early_completion() -> None:
+    i = inst(Role.PREFILL)
+    i.enqueue_prefill("a", 1.0, 100, now=0.0, ready_s=0.0)
+    i.enqueue_prefill("b", 2.0, 100, now=0.0, ready_s=0.0)
+    assert i.queue_time(0.0) == pytest.approx(3.0)
+    assert i.queue_time(1.0) == pytest.approx(2.0)
+    i.finish_prefill("a", 0.5)  # finished early: b starts now
+    assert i.queue_time(0.5) == pytest.approx(2.0)
+    assert i.queued_tokens == 100
+    i.finish_prefill("b", 2.5)
+    assert i.queue_time(2.5) == 0.0 and i.queued_tokens == 0
+
+
+def test_prefill_waits_for_its_pull() -> None:
+    i = inst(Role.PREFILL)
+    w = i.enqueue_prefill("a", 1.0, 100, now=0.0, ready_s=0.5)
+    assert (w.est_start_s, w.est_finish_s) == (0.5, 1.5)
+
+
+def test_decode_totals_follow_the_step_model() -> None:
+    i = inst()
+    for k in range(32):
+        i.add_incoming(DecodeWork(f"r{k}", 1000, 100, 0.0))
+        i.start_decode(f"r{k}", 0.0)
+    i.add_tokens("r0", 24, 0.1)
+    assert (i.batch, i.context_tokens) == (32, 32 * 1000 + 24)
+    assert i.tbt_now() == pytest.approx(i.predictors.decode.step_time(32, 32_024))
+    i.remove_decode("r0")
+    assert (i.batch, i.context_tokens) == (31, 31_000)
+    assert i.reserved_tokens == 31 * 1100
+
+
+def test_forecast_drops_finishing_and_adds_arriving() -> None:
+    i = inst()
+    i.add_incoming(DecodeWork("soon", 500, 1, 0.0))
+    i.start_decode("soon", 0.0)  # finishes after one step
+    i.add_incoming(DecodeWork("late", 500, 10_000, 0.0))
+    i.start_decode("late", 0.0)
+    i.add_incoming(DecodeWork("arriving", 700, 100, est_arrival_s=1.0))
+    now = i.forecast(0.0, 0.0, 300)
+    assert now.batch == 3  # two running + the new one
+    later = i.forecast(2.0, 0.0, 300)
+    assert later.batch == 3  # "soon" left, "arriving" joined, + the new one
+    assert later.context_tokens > 500 + 700 + 300  # "late" grew meanwhile
+
+
+def test_kv_capacity_accounting() -> None:
+    i = inst()
+    i.add_incoming(DecodeWork("a", 60_000, 30_000, 0.0))
+    assert not i.kv_fits(20_000)
+    assert i.kv_fits(10_000)
+    assert i.clear_work() == ["a"] and i.reserved_tokens == 0

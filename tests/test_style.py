@@ -1,0 +1,48 @@
+"""The repository stays ruff-clean (lint and format), checked by the same command as the tests."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ruff() -> list[str]:
+    exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if exe is None:
+        pytest.fail("ruff is not installed (it is in the 'test' extra)")
+    return [exe]
+
+
+@pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])
+def test_ruff(args: list[str]) -> None:
+    out = subprocess.run(_ruff() + args, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_pure_core_has_no_io_or_clock() -> None:
+    """routing/ and predictors/ are the pure core shared by gateway and simulator."""
+    banned = (
+        "import asyncio",
+        "import aiohttp",
+        "import starlette",
+        "import zmq",
+        "time.time(",
+        "time.monotonic(",
+        "time.perf_counter(",
+        "time.sleep(",
+        "datetime.now(",
+    )
+    offenders = [
+        f"{path.relative_to(ROOT)}: {b}"
+        for pkg in ("routing", "predictors")
+        for path in (ROOT / pkg).rglob("*.py")
+        for b in banned
+        if b in path.read_text()
+    ]
+    assert offenders == []
