@@ -39,6 +39,18 @@ def _bench_decision(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _sim(args: argparse.Namespace) -> int:
+    from replay.sim_cli import main
+
+    return main(args)
+
+
+def _sim_cache(args: argparse.Namespace) -> int:
+    from replay.cache_analysis import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate",
@@ -66,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_decision_args(decision)
     decision.set_defaults(func=_bench_decision)
 
+    sim = sub.add_parser(
+        "sim",
+        help="replay a trace through a simulated fleet (see also: kvgate sim cache TRACE)",
+        description="Replay a trace through a simulated fleet running kvgate's Conductor. "
+        "`kvgate sim cache TRACE` runs the prefix-cache hit-ratio analysis instead.",
+    )
+    from replay.sim_cli import add_arguments as add_sim_args
+
+    add_sim_args(sim)
+    sim.set_defaults(func=_sim)
+
     preds = sub.add_parser("predictors", help="train and evaluate the latency predictors")
     from predictors.cli import add_arguments as add_predictor_args
 
@@ -74,7 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["sim", "cache"]:  # `kvgate sim cache TRACE`: a sibling of `sim TRACE`
+        from replay.cache_analysis import add_arguments as add_cache_args
+
+        parser = argparse.ArgumentParser(
+            prog="kvgate sim cache",
+            description="Prefix-cache hit ratio of a trace per capacity and eviction policy "
+            "(Mooncake Table 1).",
+        )
+        add_cache_args(parser)
+        parser.set_defaults(func=_sim_cache)
+        argv = argv[2:]
+    else:
+        parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

@@ -1,0 +1,1 @@
+"""Pure engine model: what a vLLM or SGLang instance does with time (simulator + emulator)."""

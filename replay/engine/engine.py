@@ -1,0 +1,275 @@
+"""A step-level model of one engine instance (vLLM / SGLang style continuous batching).
+
+Prefill-only, decode-only and colocated instances are the same machine with different work:
+each step runs prefill chunks (FCFS) plus one token for every decoding sequence, and takes
+``StepTiming.step`` time. While only decodes run, consecutive steps are planned as one
+segment that ends at the next change (a sequence finishing or a sequence joining), so a long
+decode costs one event, not one per token.
+
+The model is pure: the caller (simulator or emulator) asks ``next_event_s()`` and calls
+``advance(t)`` at that time; submissions between events cut the current segment at the next
+step boundary, where the newcomer joins (continuous batching).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from config.settings import Role
+from replay.engine.prefix_cache import PrefixCache
+from replay.engine.timing import StepTiming
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    request_id: str
+    block_hashes: tuple[int, ...]
+    prompt_tokens: int
+    output_tokens: int  # used by colocated engines, which decode what they prefilled
+    block_size: int
+    cached_tokens: int = -1  # known when the job starts
+    done: int = 0  # new tokens processed so far
+    started_s: float | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(slots=True)
+class DecodeSeq:
+    request_id: str
+    prompt_tokens: int
+    remaining: int  # tokens still to generate
+    generated: int = 0
+    reported: int = 0  # tokens already reported to the caller's books
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+@dataclass(slots=True)
+class PrefillDone:
+    request_id: str
+    cached_tokens: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(slots=True)
+class StepReport:
+    prefilled: list[PrefillDone] = field(default_factory=list)
+    finished: list[DecodeSeq] = field(default_factory=list)
+    # Token-level time between tokens: (step seconds, tokens produced at that step time).
+    tbt: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Plan:
+    end_s: float
+    steps: int = 1  # > 1 only for decode-only segments
+    chunks: list[tuple[PrefillJob, int]] = field(default_factory=list)
+    start_s: float = 0.0
+    batch: int = 0
+    context: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        instance_id: str,
+        role: Role,
+        timing: StepTiming,
+        *,
+        cache: PrefixCache | None,
+        max_batch: int,
+        kv_capacity_tokens: int,
+        chunk_tokens: int | None = None,
+        decode_tbt_limit_s: float | None = None,
+    ) -> None:
+        self.id = instance_id
+        self.role = role
+        self.timing = timing
+        self.cache = cache
+        self.max_batch = max_batch
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.chunk_tokens = chunk_tokens
+        self.decode_tbt_limit_s = decode_tbt_limit_s
+        self.queue: deque[PrefillJob] = deque()
+        self.running: dict[str, DecodeSeq] = {}
+        self.joining: deque[DecodeSeq] = deque()
+        self.context_tokens = 0
+        self.reserved_tokens = 0
+        self.clock_s = 0.0  # end of the last applied step
+        self._plan: _Plan | None = None
+        self.busy_s = 0.0  # time spent stepping (utilisation)
+
+    # ------------------------------------------------------------------ queries
+    def next_event_s(self) -> float | None:
+        return self._plan.end_s if self._plan is not None else None
+
+    @property
+    def batch(self) -> int:
+        return len(self.running)
+
+    def step_time_now(self) -> float:
+        return self.timing.step(self.batch, 0.0, self.context_tokens) if self.running else 0.0
+
+    # ------------------------------------------------------------------ submissions
+    def submit_prefill(self, job: PrefillJob, now: float) -> None:
+        self.queue.append(job)
+        self._wake(now)
+
+    def submit_decode(self, seq: DecodeSeq, now: float) -> str | None:
+        """Join the decode batch at the next step boundary, or refuse (returns the reason).
+
+        Mooncake's baseline decode instance refuses a request whose arrival would push its
+        step time past the TBT SLO, and one whose KV would not fit.
+        """
+        need = seq.prompt_tokens + seq.remaining
+        if self.reserved_tokens + need > self.kv_capacity_tokens:
+            return "kv_capacity"
+        if self.decode_tbt_limit_s is not None:
+            batch = self.batch + len(self.joining) + 1
+            ctx = self.context_tokens + sum(s.context for s in self.joining) + seq.context
+            if self.timing.step(batch, 0.0, ctx) > self.decode_tbt_limit_s:
+                return "tbt_slo"
+        self.reserved_tokens += need
+        self.joining.append(seq)
+        self._wake(now)
+        return None
+
+    def _wake(self, now: float) -> None:
+        plan = self._plan
+        if plan is None:
+            self.clock_s = max(self.clock_s, now)
+            self._replan()
+        elif now <= plan.start_s:
+            self._replan()  # nothing has run yet: plan again with the newcomer in
+        elif plan.steps > 1:
+            # Cut a decode segment at the first step boundary at or after `now`.
+            steps = self.timing.decode_steps_until(plan.batch, plan.context, now - plan.start_s)
+            if steps < plan.steps:
+                plan.steps = steps
+                plan.end_s = plan.start_s + self.timing.decode_steps(
+                    plan.batch, plan.context, steps
+                )
+
+    # ------------------------------------------------------------------ stepping
+    def _replan(self) -> None:
+        t = self.clock_s
+        while self.joining and len(self.running) < self.max_batch:
+            seq = self.joining.popleft()
+            self.running[seq.request_id] = seq
+            self.context_tokens += seq.context
+        batch, ctx = len(self.running), self.context_tokens
+        if self.queue:
+            chunks, tokens, attn = self._allocate(batch, t)
+            dt = self.timing.step(tokens + batch, attn, ctx)
+            self._plan = _Plan(t + dt, 1, chunks, t, batch, ctx)
+        elif self.running:
+            steps = min(s.remaining for s in self.running.values())
+            dt = self.timing.decode_steps(batch, ctx, steps)
+            self._plan = _Plan(t + dt, steps, [], t, batch, ctx)
+        else:
+            self._plan = None
+
+    def _allocate(self, batch: int, now: float) -> tuple[list[tuple[PrefillJob, int]], int, float]:
+        """Prefill tokens for this step: FCFS chunks within the token budget."""
+        budget = None if self.chunk_tokens is None else max(self.chunk_tokens - batch, 1)
+        chunks: list[tuple[PrefillJob, int]] = []
+        tokens, attn = 0, 0.0
+        for job in self.queue:
+            if job.started_s is None:
+                self._start(job, now)
+            left = job.new_tokens - job.done
+            n = left if budget is None else min(left, budget - tokens)
+            if n <= 0:
+                break
+            chunks.append((job, n))
+            attn += n * (job.cached_tokens + job.done + n / 2)
+            tokens += n
+            if budget is None or tokens >= budget:
+                break  # unchunked engines run one prompt per step
+        return chunks, tokens, attn
+
+    def _start(self, job: PrefillJob, now: float) -> None:
+        job.started_s = now
+        cached = 0
+        if self.cache is not None:
+            cached = self.cache.match(job.block_hashes) * job.block_size
+        # The engine always computes at least the last prompt token.
+        job.cached_tokens = max(0, min(cached, job.prompt_tokens - 1))
+
+    def advance(self, now: float) -> StepReport:
+        """Apply the planned work that ends at ``now`` (== next_event_s()) and plan more."""
+        plan = self._plan
+        report = StepReport()
+        if plan is None or now < plan.end_s:
+            return report
+        self.busy_s += plan.end_s - plan.start_s
+        self.clock_s = plan.end_s
+        for job, n in plan.chunks:
+            job.done += n
+            if job.done >= job.new_tokens:
+                self._finish_prefill(job, report)
+        if plan.batch:
+            self._decode_steps(plan, report)
+        self._replan()
+        return report
+
+    def _finish_prefill(self, job: PrefillJob, report: StepReport) -> None:
+        self.queue.remove(job)
+        if self.cache is not None:
+            self.cache.insert(job.block_hashes)
+        assert job.started_s is not None
+        report.prefilled.append(
+            PrefillDone(job.request_id, job.cached_tokens, job.started_s, self.clock_s)
+        )
+        if self.role is Role.BOTH and job.output_tokens > 1:
+            # Colocated: the first token came from the prefill; decode here from now on.
+            seq = DecodeSeq(job.request_id, job.prompt_tokens, job.output_tokens - 1)
+            self.reserved_tokens += job.prompt_tokens + seq.remaining
+            self.joining.append(seq)
+
+    def _decode_steps(self, plan: _Plan, report: StepReport) -> None:
+        steps, batch = plan.steps, plan.batch
+        first = self.timing.step(batch, 0.0, plan.context)
+        mean = first + self.timing.k_s * batch * (steps - 1) / 2
+        if plan.chunks:  # a mixed step: decodes waited for the prefill chunk too
+            mean = plan.end_s - plan.start_s
+        report.tbt.append((mean, steps * batch))
+        done = []
+        for seq in self.running.values():
+            seq.generated += steps
+            seq.remaining -= steps
+            if seq.remaining <= 0:
+                done.append(seq)
+        self.context_tokens += steps * len(self.running)
+        for seq in done:
+            del self.running[seq.request_id]
+            self.context_tokens -= seq.context
+            self.reserved_tokens -= seq.prompt_tokens + seq.generated
+            report.finished.append(seq)
+
+    def drop(self, request_id: str) -> bool:
+        """Abort a request wherever it is (client left, instance failure)."""
+        for job in self.queue:
+            if job.request_id == request_id:
+                if self._plan is not None and any(j is job for j, _ in self._plan.chunks):
+                    return False  # mid-step; it finishes the step, the caller ignores it
+                self.queue.remove(job)
+                return True
+        seq = self.running.pop(request_id, None)
+        if seq is None:
+            for s in self.joining:
+                if s.request_id == request_id:
+                    self.joining.remove(s)
+                    self.reserved_tokens -= s.prompt_tokens + s.remaining
+                    return True
+            return False
+        self.context_tokens -= seq.context
+        self.reserved_tokens -= seq.prompt_tokens + seq.generated + seq.remaining
+        return True

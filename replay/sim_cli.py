@@ -1,0 +1,204 @@
+"""`kvgate sim`: replay a trace through a simulated fleet, one policy or several side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from config.settings import AdmissionMode, PredictorSettings, Settings, SLOSettings
+from replay.fleet import FleetSpec
+from replay.progress import ProgressBar
+from replay.results import RunResult
+from replay.traces import TraceError, TraceRequest, load_trace, select
+
+_SYNTHETIC = {"synthetic:chat"}
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    policy: str
+    admission: AdmissionMode
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}+{self.admission.value}"
+
+
+def parse_run_specs(text: str, default_admission: AdmissionMode | None) -> list[RunSpec]:
+    """``kvcache_centric+predictive,least_load``; a bare name takes the admission its real
+    system ships with (or ``--admission`` when given)."""
+    from routing.policies.registry import policy_class
+
+    specs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, adm = item.partition("+")
+        cls = policy_class(name)  # raises PolicyError naming the known policies
+        if adm:
+            try:
+                mode = AdmissionMode(adm)
+            except ValueError:
+                known = ", ".join(m.value for m in AdmissionMode)
+                raise ValueError(
+                    f"unknown admission {adm!r} in {item!r} (known: {known})"
+                ) from None
+        else:
+            mode = default_admission or cls.native_admission
+        specs.append(RunSpec(name, mode))
+    if not specs:
+        raise ValueError("no policy given")
+    return specs
+
+
+def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
+    if args.trace in _SYNTHETIC:
+        from replay.synthetic import chat_spec, generate
+
+        trace = generate(chat_spec(requests=args.limit or 2000, seed=args.seed))
+    else:
+        trace = load_trace(args.trace)
+    return select(
+        trace,
+        speed=args.speed,
+        start_s=args.start,
+        duration_s=args.duration,
+        sample=args.sample,
+        limit=args.limit,
+        seed=args.seed,
+    )
+
+
+def base_settings(args: argparse.Namespace) -> Settings:
+    if args.config:
+        from config.loader import load_settings
+
+        settings = load_settings(args.config)
+    else:
+        # The Mooncake papers' setting: LLaMA2-70B on 8xA100 per instance.
+        settings = Settings(
+            slo=SLOSettings(ttft_s=30.0, tbt_s=0.1),
+            predictors=PredictorSettings(profile="llama2-70b-a100-tp8"),
+        )
+    slo = settings.slo
+    if args.ttft_slo is not None:
+        slo = replace(slo, ttft_s=args.ttft_slo)
+    if args.tbt_slo is not None:
+        slo = replace(slo, tbt_s=args.tbt_slo)
+    # Mooncake trace hash ids name 512-token blocks; the cache view must use the same size.
+    routing = replace(settings.routing, block_size=args.block_size, seed=args.seed)
+    replication = replace(settings.replication, enabled=args.replication == "on")
+    return replace(settings, slo=slo, routing=routing, replication=replication)
+
+
+def fleet_from(args: argparse.Namespace, settings: Settings) -> FleetSpec:
+    if args.colocated:
+        counts = dict(prefill=0, decode=0, colocated=args.colocated)
+    else:
+        counts = dict(prefill=args.prefill, decode=args.decode, colocated=0)
+    return FleetSpec(
+        **counts,
+        profile=args.profile or settings.predictors.profile,
+        cache_capacity_tokens=args.cache_capacity_tokens,
+        chunk_tokens=args.chunk_tokens,
+        decode_local_check=not args.no_decode_check,
+    )
+
+
+def run_one(
+    settings: Settings, fleet: FleetSpec, trace: list[TraceRequest], spec: RunSpec, quiet: bool
+) -> RunResult:
+    from replay.simulator import Simulator
+
+    s = replace(
+        settings,
+        routing=replace(settings.routing, policy=spec.policy),
+        admission=replace(settings.admission, mode=spec.admission),
+    )
+    start = time.perf_counter()
+    sim = Simulator(s, fleet, trace)
+    result = sim.run(progress=ProgressBar(spec.label, enabled=not quiet))
+    result.wall_s = time.perf_counter() - start
+    result.extra["fleet"] = (
+        f"{fleet.colocated} colocated" if fleet.colocated else f"{fleet.prefill}P+{fleet.decode}D"
+    )
+    result.extra["profile"] = fleet.profile
+    result.extra["sim_requests_per_wall_s"] = round(len(trace) / max(result.wall_s, 1e-9), 1)
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="Mooncake JSONL or CSV trace, or 'synthetic:chat'")
+    p.add_argument("--config", help="kvgate TOML config (SLOs, policy parameters, predictors)")
+    p.add_argument("--prefill", type=int, default=8, help="prefill instances (default 8)")
+    p.add_argument("--decode", type=int, default=8, help="decode instances (default 8)")
+    p.add_argument("--colocated", type=int, default=0, help="N colocated instances instead")
+    p.add_argument("--profile", help="engine profile, e.g. llama2-70b-a100-tp8 (the default)")
+    p.add_argument("--policy", default="kvcache_centric", help="placement policy")
+    p.add_argument(
+        "--admission",
+        choices=[m.value for m in AdmissionMode],
+        help="admission mode (default: the policy's native one)",
+    )
+    p.add_argument("--compare", help="comma list of policy[+admission] to run side by side")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (2 = 2x load)")
+    p.add_argument("--start", type=float, help="window start, seconds into the trace")
+    p.add_argument("--duration", type=float, help="window length, seconds")
+    p.add_argument("--sample", type=float, default=1.0, help="keep this fraction of requests")
+    p.add_argument("--limit", type=int, help="at most this many requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo", type=float, help="TTFT SLO seconds (default 30)")
+    p.add_argument("--tbt-slo", type=float, help="TBT SLO seconds (default 0.1)")
+    p.add_argument("--block-size", type=int, default=512, help="tokens per block (traces: 512)")
+    p.add_argument(
+        "--cache-capacity-tokens",
+        type=int,
+        help="prefix cache per prefill instance (default: the profile's KV capacity)",
+    )
+    p.add_argument("--chunk-tokens", type=int, help="chunked-prefill budget (default: off)")
+    p.add_argument(
+        "--no-decode-check",
+        action="store_true",
+        help="decode instances accept everything (no local TBT check)",
+    )
+    p.add_argument(
+        "--replication",
+        choices=["on", "off"],
+        default="on",
+        help="proactive hot-prefix replication (default on)",
+    )
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    from config.loader import ConfigError
+    from replay.report import format_table, summarize, write_json
+    from routing.policies.registry import PolicyError
+
+    try:
+        default_adm = AdmissionMode(args.admission) if args.admission else None
+        specs = parse_run_specs(args.compare or args.policy, default_adm)
+        settings = base_settings(args)
+        fleet = fleet_from(args, settings)
+        fleet.validate()
+        trace = load_workload(args)
+        if not trace:
+            raise ValueError("the selection left no requests")
+    except (TraceError, ConfigError, PolicyError, ValueError, KeyError, OSError) as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 2
+    results = [run_one(settings, fleet, trace, spec, args.quiet) for spec in specs]
+    summaries = [summarize(r) for r in results]
+    print(format_table(summaries))
+    if args.json:
+        write_json(Path(args.json), summaries, extra={"trace": args.trace, "speed": args.speed})
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plots:
+        from replay.plots import write_plots
+
+        for path in write_plots(results, Path(args.plots)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,283 @@
+"""Deterministic discrete-event replay of a trace through kvgate's Conductor and engine models.
+
+No sockets, no sleeping: a heap of events ordered by (time, kind, sequence number). At equal
+times the documented tie-break is: engine step completions first (freed capacity is visible),
+then transfer completions, then arrivals, then load samples; within a kind, the order in which
+events were scheduled. Randomness comes only from seeded generators (the Conductor's policy
+RNG), so the same inputs give the same result.
+
+The Conductor is driven through the same event API the live gateway uses: schedule,
+dispatched, first_token (prefill done), tokens, finished, failed, kv_event, replication_done.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from config.settings import Role, Settings
+from predictors.profiles import get_profile
+from replay.engine.engine import DecodeSeq, Engine, PrefillJob, StepReport
+from replay.engine.network import Network
+from replay.fleet import FleetSpec, build_engines, fleet_settings
+from replay.results import LoadSample, Outcome, RequestOutcome, RunResult
+from replay.traces import TraceRequest
+from routing.conductor import Conductor
+from routing.hashing import hash_ids_to_blocks
+from routing.types import Decision, ReplicationCommand, RequestInfo
+
+
+class _Kind(IntEnum):  # the tie-break order at equal times
+    ENGINE = 0
+    PULL_DONE = 1
+    COPY_DONE = 2
+    KV_ARRIVED = 3
+    ARRIVAL = 4
+    SAMPLE = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    sample_interval_s: float = 5.0  # load samples and token progress reports
+    label: str | None = None
+
+
+Progress = Callable[[int, int], None]  # (requests arrived so far, total)
+
+
+class Simulator:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: FleetSpec,
+        trace: Sequence[TraceRequest],
+        options: SimOptions | None = None,
+    ) -> None:
+        self.settings = fleet_settings(settings, fleet)
+        self.fleet = fleet
+        self.trace = list(trace)
+        self.options = options or SimOptions()
+        self.conductor = Conductor(self.settings)
+        self.engines: dict[str, Engine] = build_engines(self.settings, fleet)
+        profile = get_profile(fleet.profile)
+        self.kv_bytes_per_token = profile.kv_bytes_per_token
+        self.network = Network(self.settings.predictors.link_bandwidth_gbps * 1e9 / 8)
+        self.block_size = self.settings.routing.block_size
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._version: dict[str, int] = dict.fromkeys(self.engines, 0)
+        self.outcomes: dict[str, RequestOutcome] = {}
+        self._requests: dict[str, RequestInfo] = {}
+        self._decisions: dict[str, Decision] = {}
+        self._first_token_s: dict[str, float] = {}
+        adm = self.settings.admission.mode.value
+        self.result = RunResult(
+            label=self.options.label or f"{self.settings.routing.policy}+{adm}",
+            policy=self.settings.routing.policy,
+            admission=adm,
+            ttft_slo_s=self.settings.slo.ttft_s,
+            tbt_slo_s=self.settings.slo.tbt_s,
+            duration_s=(self.trace[-1].arrival_s - self.trace[0].arrival_s) if self.trace else 0,
+        )
+
+    # ------------------------------------------------------------------ event plumbing
+    def _push(self, t: float, kind: _Kind, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, payload))
+
+    def _wake(self, engine: Engine) -> None:
+        """(Re)schedule the engine's next step completion; older ones become stale."""
+        t = engine.next_event_s()
+        self._version[engine.id] += 1
+        if t is not None:
+            self._push(t, _Kind.ENGINE, (engine.id, self._version[engine.id]))
+
+    def run(self, progress: Progress | None = None) -> RunResult:
+        for tr in self.trace:
+            self._push(tr.arrival_s, _Kind.ARRIVAL, tr)
+        if self.trace:
+            self._push(self.trace[0].arrival_s, _Kind.SAMPLE, None)
+        total, arrived = len(self.trace), 0
+        handlers = {
+            _Kind.ENGINE: self._on_engine,
+            _Kind.PULL_DONE: self._on_pull_done,
+            _Kind.COPY_DONE: self._on_copy_done,
+            _Kind.KV_ARRIVED: self._on_kv_arrived,
+        }
+        heap = self._heap
+        while heap:
+            now, kind, _, payload = heapq.heappop(heap)
+            if kind is _Kind.ARRIVAL:
+                self._on_arrival(payload, now)  # type: ignore[arg-type]
+                arrived += 1
+                if progress is not None and (arrived % 256 == 0 or arrived == total):
+                    progress(arrived, total)
+            elif kind is _Kind.SAMPLE:
+                self._on_sample(now)
+            else:
+                handlers[kind](payload, now)
+        self.result.requests = [self.outcomes[f"r{tr.index}"] for tr in self.trace]
+        self.result.transferred_bytes = self.network.bytes_moved - self.result.kv_transfer_bytes
+        self.result.extra["cache_capacity_blocks"] = next(
+            (e.cache.capacity_blocks for e in self.engines.values() if e.cache is not None), 0
+        )
+        return self.result
+
+    # ------------------------------------------------------------------ arrivals
+    def _on_arrival(self, tr: TraceRequest, now: float) -> None:
+        rid = f"r{tr.index}"
+        blocks = hash_ids_to_blocks(tr.hash_ids)
+        req = RequestInfo(
+            request_id=rid,
+            prompt_tokens=tr.input_length,
+            block_hashes=blocks,
+            max_tokens=max(tr.output_length, 1),
+            arrival_s=now,
+            output_key=blocks[0] if blocks else None,
+        )
+        out = RequestOutcome(rid, now, tr.input_length, tr.output_length)
+        self.outcomes[rid] = out
+        decision = self.conductor.schedule(req, now)
+        if not isinstance(decision, Decision):
+            out.outcome, out.reason = Outcome.REJECTED, decision.reason.value
+            return
+        self.conductor.dispatched(decision, req, now)
+        self._requests[rid], self._decisions[rid] = req, decision
+        out.prefill_instance, out.decode_instance = decision.prefill, decision.decode
+        out.predicted_ttft_s = decision.predicted_ttft_s
+        pull = None
+        for cmd in decision.replications:
+            if cmd.request_id == rid:
+                pull = cmd
+            else:
+                self._start_copy(cmd, now)
+        if pull is not None:
+            nbytes = pull.tokens * self.kv_bytes_per_token
+            out.transferred_bytes = nbytes
+            end = self.network.transfer(pull.source, pull.destination, nbytes, now)
+            self._push(end, _Kind.PULL_DONE, (rid, pull))
+        else:
+            self._submit_prefill(rid, now)
+
+    def _submit_prefill(self, rid: str, now: float) -> None:
+        req, decision = self._requests[rid], self._decisions[rid]
+        engine = self.engines[decision.prefill]
+        engine.submit_prefill(
+            PrefillJob(rid, req.block_hashes, req.prompt_tokens, req.max_tokens, self.block_size),
+            now,
+        )
+        self._wake(engine)
+
+    # ------------------------------------------------------------------ copies
+    def _start_copy(self, cmd: ReplicationCommand, now: float) -> None:
+        nbytes = cmd.tokens * self.kv_bytes_per_token
+        self.result.replication_commands += 1
+        self.result.replicated_bytes += nbytes
+        end = self.network.transfer(cmd.source, cmd.destination, nbytes, now)
+        self._push(end, _Kind.COPY_DONE, cmd)
+
+    def _land_copy(self, cmd: ReplicationCommand, now: float) -> None:
+        engine = self.engines.get(cmd.destination)
+        if engine is not None and engine.cache is not None:
+            engine.cache.insert(cmd.block_hashes)
+            self._flush_kv_events(engine, now)
+        self.conductor.replication_done(cmd.command_id, True, now)
+
+    def _on_pull_done(self, payload: tuple[str, ReplicationCommand], now: float) -> None:
+        rid, cmd = payload
+        self.result.replication_commands += 1
+        self._land_copy(cmd, now)
+        self._submit_prefill(rid, now)
+
+    def _on_copy_done(self, cmd: ReplicationCommand, now: float) -> None:
+        self._land_copy(cmd, now)
+
+    # ------------------------------------------------------------------ engines
+    def _flush_kv_events(self, engine: Engine, now: float) -> None:
+        if engine.cache is not None:
+            for ev in engine.cache.drain_events():
+                self.conductor.kv_event(engine.id, ev, now)
+
+    def _on_engine(self, payload: tuple[str, int], now: float) -> None:
+        iid, version = payload
+        if version != self._version[iid]:
+            return  # superseded by a later plan
+        engine = self.engines[iid]
+        report = engine.advance(now)
+        self._flush_kv_events(engine, now)
+        self._apply(engine, report, now)
+        self._wake(engine)
+
+    def _apply(self, engine: Engine, report: StepReport, now: float) -> None:
+        if report.tbt:
+            self.result.tbt_steps.extend(report.tbt)
+        for done in report.prefilled:
+            rid = done.request_id
+            out = self.outcomes[rid]
+            out.cached_tokens = done.cached_tokens
+            out.ttft_s = now - out.arrival_s  # the prefill produces the first token
+            self._first_token_s[rid] = now
+            self.conductor.first_token(rid, now)
+            req = self._requests[rid]
+            decode_id = self._decisions[rid].decode
+            if req.max_tokens <= 1:
+                self._complete(rid, 1, now)
+            elif decode_id != engine.id:
+                nbytes = req.prompt_tokens * self.kv_bytes_per_token
+                self.result.kv_transfer_bytes += nbytes
+                end = self.network.transfer(engine.id, decode_id, nbytes, now)
+                self._push(end, _Kind.KV_ARRIVED, rid)
+        for seq in report.finished:
+            self._complete(seq.request_id, seq.generated + 1, now)
+
+    def _on_kv_arrived(self, rid: str, now: float) -> None:
+        req = self._requests[rid]
+        engine = self.engines[self._decisions[rid].decode]
+        refused = engine.submit_decode(DecodeSeq(rid, req.prompt_tokens, req.max_tokens - 1), now)
+        if refused is not None:
+            out = self.outcomes[rid]
+            out.outcome, out.reason = Outcome.REJECTED_AFTER_PREFILL, refused
+            self.conductor.failed(rid, now)
+            self._forget(rid)
+            return
+        self._wake(engine)
+
+    def _complete(self, rid: str, generated: int, now: float) -> None:
+        out = self.outcomes[rid]
+        out.outcome, out.finish_s, out.generated = Outcome.COMPLETED, now, generated
+        first = self._first_token_s.get(rid)
+        if first is not None and generated > 1:
+            out.tbt_mean_s = (now - first) / (generated - 1)
+        self.conductor.finished(rid, now, output_tokens=generated)
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._decisions.pop(rid, None)
+        self._first_token_s.pop(rid, None)
+
+    # ------------------------------------------------------------------ sampling
+    def _on_sample(self, now: float) -> None:
+        for engine in self.engines.values():
+            inst = self.conductor.instances[engine.id]
+            # Token progress reaches the Conductor's books in batches (one call per sequence
+            # per sample), the way a gateway would learn it from streamed chunks.
+            for seq in engine.running.values():
+                if seq.generated > seq.reported:
+                    self.conductor.tokens(seq.request_id, seq.generated - seq.reported, now)
+                    seq.reported = seq.generated
+            self.result.load.append(
+                LoadSample(
+                    now,
+                    engine.id,
+                    engine.role.value,
+                    len(engine.queue),
+                    inst.queue_time(now) if engine.role is not Role.DECODE else 0.0,
+                    engine.batch,
+                    engine.step_time_now(),
+                )
+            )
+        if self._heap:  # keep sampling while anything is left to happen
+            self._push(now + self.options.sample_interval_s, _Kind.SAMPLE, None)

@@ -1,0 +1,145 @@
+"""`kvgate sim` end to end through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+from replay.synthetic import chat_spec, generate, write_mooncake
+
+REQUIRED = {
+    "policy",
+    "admission",
+    "requests",
+    "admitted",
+    "rejected",
+    "rejected_after_prefill",
+    "goodput_rps",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "tbt_p50_s",
+    "tbt_p99_s",
+    "slo_attainment",
+    "cache_hit_ratio",
+    "wall_s",
+}
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "chat.jsonl"
+    write_mooncake(generate(chat_spec(requests=150, rate_rps=20.0, seed=1)), path)
+    return path
+
+
+def test_compare_writes_json_with_the_required_keys(trace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "report.json"
+    rc = main(
+        [
+            "sim",
+            str(trace),
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--profile",
+            "llama3-8b-h100-tp1",
+            "--quiet",
+            "--compare",
+            "kvcache_centric+predictive,least_load,sglang_cache_aware",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["label"] for r in runs] == [
+        "kvcache_centric+predictive",
+        "least_load+none",
+        "sglang_cache_aware+none",
+    ]
+    for r in runs:
+        assert set(r) >= REQUIRED
+        assert r["requests"] == 150 and r["wall_s"] > 0
+    table = capsys.readouterr().out
+    assert "kvcache_centric+predictive" in table
+
+
+def test_bare_policy_takes_its_native_admission(trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert (
+        main(
+            [
+                "sim",
+                str(trace),
+                "--prefill",
+                "1",
+                "--decode",
+                "1",
+                "--quiet",
+                "--profile",
+                "llama3-8b-h100-tp1",
+                "--compare",
+                "cache_aware",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert json.loads(out.read_text())["runs"][0]["admission"] == "early"
+
+
+def test_bad_trace_line_names_file_and_line(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 1, "input_length": -3, "output_length": 5, "hash_ids": [1]}\n'
+    )
+    assert main(["sim", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err and "input_length" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--compare", "fastest"], "unknown policy"),
+        (["--compare", "least_load+maybe"], "unknown admission"),
+        (["--prefill", "0"], "prefill"),
+        (["--speed", "0"], "speed"),
+        (["--profile", "gpt-9"], "gpt-9"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(trace: Path, capsys, args, needle) -> None:
+    assert main(["sim", str(trace), "--quiet", *args]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_sim_cache_subcommand(trace: Path, capsys) -> None:
+    assert (
+        main(
+            [
+                "sim",
+                "cache",
+                str(trace),
+                "--capacities",
+                "10,inf",
+                "--policies",
+                "lru,lfu",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["requests"] == 150
+    got = {(r["policy"], r["capacity_blocks"]): r["hit_ratio"] for r in data["results"]}
+    assert set(got) == {("lru", 10), ("lru", None), ("lfu", 10), ("lfu", None)}
+    assert got[("lru", 10)] <= got[("lru", None)]

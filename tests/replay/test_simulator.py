@@ -1,0 +1,138 @@
+"""The discrete-event simulator: hand-checked TTFTs, determinism, late rejection, clean books."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from config.settings import (
+    AdmissionMode,
+    AdmissionSettings,
+    PredictorSettings,
+    RoutingSettings,
+    Settings,
+    SLOSettings,
+)
+from predictors.profiles import get_profile
+from replay.engine.timing import StepTiming
+from replay.fleet import FleetSpec
+from replay.report import summarize
+from replay.results import Outcome
+from replay.simulator import Simulator
+from replay.synthetic import chat_spec, generate
+from replay.traces import TraceRequest
+
+PROFILE = "llama3-8b-h100-tp1"
+
+
+def settings(policy: str = "kvcache_centric", admission: AdmissionMode = AdmissionMode.NONE):
+    return Settings(
+        slo=SLOSettings(ttft_s=30.0, tbt_s=0.1),
+        routing=RoutingSettings(policy=policy, block_size=512),
+        admission=AdmissionSettings(mode=admission),
+        predictors=PredictorSettings(profile=PROFILE),
+    )
+
+
+def tr(i: int, t: float, blocks: tuple[int, ...], out: int, tokens: int | None = None):
+    return TraceRequest(i, t, tokens or len(blocks) * 512, out, blocks)
+
+
+def test_tiny_trace_ttfts_match_hand_computation() -> None:
+    trace = [
+        tr(0, 0.0, (1, 2), 1),  # 1024 new tokens
+        tr(1, 0.0, (1, 3), 1),  # waits for r0, then block 1 is cached: 512 new
+        tr(2, 10.0, (1, 2), 1),  # everything cached: the engine computes only the last token
+    ]
+    sim = Simulator(settings(), FleetSpec(prefill=1, decode=1, profile=PROFILE), trace)
+    result = sim.run()
+    p = get_profile(PROFILE)
+    a, b, t0, c = p.mixed.a_ms, p.mixed.b_ms, p.mixed.t0, p.mixed.c_ms
+    o = 0.5  # PredictorSettings.overhead_ms
+
+    def step_ms(n: int, cached: int) -> float:
+        return o + a + b * max(n, t0) + c * n * (cached + n / 2)
+
+    t_r0 = step_ms(1024, 0) / 1e3
+    t_r1 = t_r0 + step_ms(512, 512) / 1e3
+    t_r2 = step_ms(1, 1023) / 1e3
+    ttfts = [r.ttft_s for r in result.requests]
+    assert ttfts == pytest.approx([t_r0, t_r1, t_r2], rel=1e-9)
+    assert [r.cached_tokens for r in result.requests] == [0, 512, 1023]
+    assert all(r.outcome is Outcome.COMPLETED for r in result.requests)
+
+
+def test_decode_time_follows_the_step_model() -> None:
+    trace = [tr(0, 0.0, (1,), 11)]
+    sim = Simulator(settings(), FleetSpec(prefill=1, decode=1, profile=PROFILE), trace)
+    (r,) = sim.run().requests
+    timing = StepTiming.from_profile(get_profile(PROFILE), 0.5)
+    kv = 512 * get_profile(PROFILE).kv_bytes_per_token / (200e9 / 8) + 0.0005
+    expected_finish = r.ttft_s + kv + timing.decode_steps(1, 512, 10)
+    assert r.finish_s == pytest.approx(expected_finish, rel=1e-9)
+    assert r.generated == 11
+    assert r.tbt_mean_s == pytest.approx((r.finish_s - r.ttft_s) / 10)
+
+
+def _chat(n: int = 400):
+    return generate(chat_spec(requests=n, rate_rps=40.0, seed=3))
+
+
+def test_same_inputs_give_identical_reports() -> None:
+    fleet = FleetSpec(prefill=2, decode=2, profile=PROFILE)
+
+    def once() -> str:
+        res = Simulator(settings("random"), fleet, _chat()).run()
+        s = summarize(res)
+        s.pop("wall_s", None)
+        s.pop("sim_speedup", None)
+        s.pop("requests_per_wall_s", None)
+        return json.dumps(s, sort_keys=True)
+
+    assert once() == once()
+
+
+def test_books_are_clean_after_the_run() -> None:
+    sim = Simulator(settings(), FleetSpec(prefill=2, decode=2, profile=PROFILE), _chat())
+    result = sim.run()
+    assert all(r.outcome is Outcome.COMPLETED for r in result.requests)
+    assert not sim.conductor.requests
+    for inst in sim.conductor.instances.values():
+        assert inst.idle and inst.reserved_tokens == 0 and inst.batch == 0
+    for engine in sim.engines.values():
+        assert engine.next_event_s() is None and engine.reserved_tokens == 0
+
+
+def test_decode_local_check_rejects_after_prefill_and_early_rejection_prevents_it() -> None:
+    # A tight TBT SLO that a loaded decode instance breaks: without admission the decode
+    # instance refuses after the prefill was paid for; early rejection refuses before.
+    trace = [tr(i, i * 0.01, (1000 + i,), 400, tokens=8000) for i in range(200)]
+    tight = SLOSettings(ttft_s=30.0, tbt_s=0.012)
+    fleet = FleetSpec(prefill=2, decode=1, profile=PROFILE)
+    late = Simulator(replace(settings(), slo=tight), fleet, trace).run()
+    n_late = sum(r.outcome is Outcome.REJECTED_AFTER_PREFILL for r in late.requests)
+    assert n_late > 0
+    early_settings = replace(settings(admission=AdmissionMode.EARLY), slo=tight)
+    early = Simulator(early_settings, fleet, trace).run()
+    n_early_late = sum(r.outcome is Outcome.REJECTED_AFTER_PREFILL for r in early.requests)
+    assert n_early_late < n_late
+    assert sum(r.outcome is Outcome.REJECTED for r in early.requests) > 0
+
+
+def test_colocated_fleet_runs_prefill_and_decode_on_one_instance() -> None:
+    fleet = FleetSpec(prefill=0, decode=0, colocated=2, profile=PROFILE)
+    result = Simulator(settings("least_load"), fleet, _chat(100)).run()
+    assert all(r.outcome is Outcome.COMPLETED for r in result.requests)
+    assert all(r.prefill_instance == r.decode_instance for r in result.requests)
+    assert result.kv_transfer_bytes == 0
+
+
+def test_cache_aware_placement_hits_more_than_random() -> None:
+    fleet = FleetSpec(prefill=4, decode=2, profile=PROFILE)
+    hit = {}
+    for policy in ("random", "cache_aware"):
+        s = summarize(Simulator(settings(policy), fleet, _chat(600)).run())
+        hit[policy] = s["cache_hit_ratio"]
+    assert hit["cache_aware"] > hit["random"]
