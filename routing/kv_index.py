@@ -1,12 +1,13 @@
 """Which instance holds which KV block on which tier, and every instance's cached prefix at once.
 
-Layout. Each instance owns a *slot* ``s >= 1``; per block the table keeps one int whose bit
-``2s`` says "instance s holds it on GPU" and bit ``2s + 1`` "on GPU or host" (local). Bit 1
-(slot 0's local bit) is the shared store. ``match`` walks the prompt's blocks once with an
-``alive`` mask (``alive &= holders``); when a bit drops out at block ``i`` that holder's prefix
-is ``i`` blocks. Cost is O(prefix + instances), not O(blocks x instances), and the walk stops
-as soon as nobody is alive. Interleaving the bits (rather than two masks) means one dict lookup
-and one AND per block, and slots never need re-laying out as instances come and go.
+Layout. Each instance owns a *slot* ``s >= 1`` (freed slots are reused); per block the table
+keeps one int whose bit ``2s`` says "instance s holds it on GPU" and bit ``2s + 1`` "on GPU or
+host" (local). Bit 1 (slot 0's local bit) is the shared store. ``match`` walks the prompt's
+blocks once with an ``alive`` mask (``alive &= holders``); when a bit drops out at block ``i``
+that holder's prefix is ``i`` blocks. Cost is O(prefix + instances), not O(blocks x instances),
+and the walk stops as soon as nobody is alive. Interleaving GPU / local / store bits in one int
+(rather than a GPU mask, a host mask and a store flag) costs one dict lookup per block and one
+AND per change of holders, and never needs re-laying out as instances come and go.
 
 Per instance an ``OrderedDict`` per tier is the LRU (last = most recent), mirroring the
 engine's eviction so that the index stays bounded by the configured capacities. Blocks nobody
@@ -29,6 +30,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from routing.types import (
     EMPTY_MATCH,
@@ -41,30 +43,46 @@ from routing.types import (
 )
 
 _STORE_BIT = 0b10  # slot 0's local bit; slot 0's GPU bit (0b01) is never set
+# What a set of bits in a drop point means (see KVIndex._owner).
+_K_GPU, _K_LOCAL, _K_STORE = 1, 2, 4
+_K_BOTH = _K_GPU | _K_LOCAL
 
 
+@dataclass(slots=True, eq=False)
 class _Instance:
-    __slots__ = ("gpu", "gpu_bit", "gpu_cap", "host", "host_cap", "id", "local_bit", "pred", "slot")
+    id: str
+    order: int  # registration sequence: reported orders follow it
+    slot: int
+    gpu_cap: int
+    host_cap: int
+    gpu: OrderedDict[int, None] = field(default_factory=OrderedDict)  # LRU first
+    host: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    pred: dict[int, float] = field(default_factory=dict)  # unconfirmed block -> expiry
+    gpu_bit: int = field(init=False)
+    local_bit: int = field(init=False)
 
-    def __init__(self, instance_id: str, slot: int, gpu_cap: int, host_cap: int) -> None:
-        self.id = instance_id
-        self.slot = slot
-        self.gpu_bit = 1 << (2 * slot)
-        self.local_bit = 1 << (2 * slot + 1)
-        self.gpu_cap = gpu_cap
-        self.host_cap = host_cap
-        self.gpu: OrderedDict[int, None] = OrderedDict()
-        self.host: OrderedDict[int, None] = OrderedDict()
-        self.pred: dict[int, float] = {}  # unconfirmed block -> expiry time
+    def __post_init__(self) -> None:
+        self.gpu_bit = 1 << (2 * self.slot)
+        self.local_bit = 1 << (2 * self.slot + 1)
 
 
 class KVIndex:
+    """KV block holdings of every instance (GPU, host) and of the shared store.
+
+    ``match`` is a query (no LRU effect); ``record_route``, ``touch`` and ``apply`` update.
+    Every call that takes ``now`` first drops predicted entries expired by then. Instance ids
+    unknown to the index are ignored by ``record_route`` / ``touch`` and counted by ``apply``.
+    Memory: each instance holds at most its capacities, and the block table only blocks that
+    somebody holds, so ``len(index) <= sum of capacities + store blocks``.
+    """
+
     __slots__ = (
-        "_by_slot",
         "_free_slots",
         "_heap",
         "_instances",
+        "_owner",
         "_seq",
+        "_slot_masks",
         "_store",
         "_table",
         "predicted_ttl_s",
@@ -77,8 +95,11 @@ class KVIndex:
         self.predicted_ttl_s = predicted_ttl_s
         self.unknown_instance_events = 0
         self._instances: dict[str, _Instance] = {}  # registration order
-        self._by_slot: dict[int, _Instance] = {}
+        self._slot_masks: list[int] = [0b11]  # slot -> its two bits (slot 0: the store)
         self._free_slots: list[int] = []  # heap: reuse the lowest slot to keep masks short
+        # Bits -> (instance id, _K_* kind) for one slot's GPU bit, local bit, or both, and the
+        # store bit: decodes a drop point with one lookup.
+        self._owner: dict[int, tuple[str, int]] = {_STORE_BIT: ("", _K_STORE)}
         self._table: dict[int, int] = {}  # block hash -> holder bits (see module docstring)
         self._store: set[int] = set()
         # (expiry, seq, instance, blocks): one entry per routed prompt, not per block.
@@ -94,15 +115,23 @@ class KVIndex:
             raise ValueError(f"instance {instance_id!r} is already in the KV index")
         if gpu_capacity_blocks < 0 or host_capacity_blocks < 0:
             raise ValueError("capacities must be >= 0")
-        slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._by_slot) + 1
-        inst = _Instance(instance_id, slot, gpu_capacity_blocks, host_capacity_blocks)
+        masks = self._slot_masks
+        slot = heapq.heappop(self._free_slots) if self._free_slots else len(masks)
+        order = next(self._seq)
+        inst = _Instance(instance_id, order, slot, gpu_capacity_blocks, host_capacity_blocks)
         self._instances[instance_id] = inst
-        self._by_slot[slot] = inst
+        if slot == len(masks):
+            masks.append(0b11 << 2 * slot)
+        owner = self._owner
+        owner[inst.gpu_bit] = (instance_id, _K_GPU)
+        owner[inst.local_bit] = (instance_id, _K_LOCAL)
+        owner[inst.gpu_bit | inst.local_bit] = (instance_id, _K_BOTH)
 
     def remove_instance(self, instance_id: str) -> None:
         inst = self._instances.pop(instance_id)  # KeyError for an unknown id
         self._clear(inst)
-        del self._by_slot[inst.slot]
+        for bits in (inst.gpu_bit, inst.local_bit, inst.gpu_bit | inst.local_bit):
+            del self._owner[bits]
         heapq.heappush(self._free_slots, inst.slot)
 
     def instances(self) -> tuple[str, ...]:
@@ -118,65 +147,81 @@ class KVIndex:
         heap = self._heap
         if heap and heap[0][0] <= now:
             self.expire(now)  # drops only what is already invalid: no visible state change
-        get = self._table.get
         # -1 = every bit. The first block's AND makes it finite; nothing is recorded for bits
         # that drop out there (a zero-length prefix is no prefix).
         alive = -1
+        prev = 0  # never a table value (empty masks are deleted), so block 0 is always checked
         drops: list[tuple[int, int]] = []  # (bits that dropped out, prefix length)
         n = 0
-        for h in block_hashes:
-            held = get(h)
+        # map() does the lookups in C; runs of blocks with the same holders (a shared system
+        # prompt, one instance's private suffix) cost one equality test per block.
+        for n, held in enumerate(map(self._table.get, block_hashes)):
+            if held == prev:
+                continue
             if held is None:  # nobody holds it: everyone alive stops here
                 break
+            prev = held
             still = alive & held
             if still != alive:
                 if n:
                     drops.append((alive ^ still, n))
                 if not still:
-                    alive = 0
-                    break
+                    return self._result(drops) if drops else EMPTY_MATCH
                 alive = still
-            n += 1
         else:
             if alive == -1:  # empty prompt
                 return EMPTY_MATCH
-        if alive and n:
+            n = len(block_hashes)
+        if n:
             drops.append((alive, n))
-        if not drops:
-            return EMPTY_MATCH
-        return self._result(drops)
+        return self._result(drops) if drops else EMPTY_MATCH
 
     def _result(self, drops: list[tuple[int, int]]) -> PrefixMatch:
-        gpu_len: dict[int, int] = {}
-        local_len: dict[int, int] = {}
-        store = 0
-        for bits, length in drops:
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                pos = low.bit_length() - 1
-                if pos & 1:
-                    if pos == 1:
-                        store = length
-                    else:
-                        local_len[pos >> 1] = length
-                else:
-                    gpu_len[pos >> 1] = length
+        """Decode the drop points into per-instance prefix lengths.
+
+        A point where a single instance drops out (its GPU bit, local bit or both) decodes with
+        one dict lookup; coincident drops are split. Dicts fill in increasing prefix length
+        (each id once), so the best holders are the tail of ``local_blocks``.
+        """
+        owner = self._owner.get
         gpu_blocks: dict[str, int] = {}
         local_blocks: dict[str, int] = {}
-        best = max(local_len.values(), default=0)
-        holders: list[str] = []
-        for iid, inst in self._instances.items():  # registration order
-            loc = local_len.get(inst.slot)
-            if loc is None:
+        store = 0
+        for bits, length in drops:
+            entry = owner(bits)
+            if entry is not None and entry[1] == _K_BOTH:  # the common case, kept inline
+                gpu_blocks[entry[0]] = local_blocks[entry[0]] = length
                 continue
-            local_blocks[iid] = loc
-            if loc == best:
-                holders.append(iid)
-            g = gpu_len.get(inst.slot)
-            if g is not None:
-                gpu_blocks[iid] = g
+            for iid, kind in (entry,) if entry is not None else self._split(bits):
+                if kind == _K_STORE:
+                    store = length
+                    continue
+                if kind & _K_GPU:
+                    gpu_blocks[iid] = length
+                if kind & _K_LOCAL:
+                    local_blocks[iid] = length
+        if not local_blocks:
+            return PrefixMatch(gpu_blocks, local_blocks, store, 0, ())
+        best = next(reversed(local_blocks.values()))
+        holders = []
+        for iid in reversed(local_blocks):
+            if local_blocks[iid] != best:
+                break
+            holders.append(iid)
+        if len(holders) > 1:  # several dropped at one point: registration order
+            instances = self._instances
+            holders.sort(key=lambda iid: instances[iid].order)
         return PrefixMatch(gpu_blocks, local_blocks, store, best, tuple(holders))
+
+    def _split(self, bits: int) -> list[tuple[str, int]]:
+        """(instance id, kind) of every slot with a bit in ``bits``, peeled from the top."""
+        owner, masks = self._owner, self._slot_masks
+        parts: list[tuple[str, int]] = []
+        while bits:
+            part = bits & masks[(bits.bit_length() - 1) >> 1]
+            bits ^= part
+            parts.append(owner[part])
+        return parts
 
     def holds(self, instance_id: str, block_hash: int, tier: Tier | None = None) -> bool:
         """Whether the instance holds the block on ``tier`` (None: GPU or host; STORE: global)."""
@@ -334,25 +379,45 @@ class KVIndex:
                 table[h] = table.get(h, 0) | inst.local_bit
 
     def _evict(self, inst: _Instance) -> None:
-        """LRU-evict beyond capacity; GPU victims are demoted to host when there is one."""
-        gpu, host = inst.gpu, inst.host
+        """LRU-evict beyond capacity; GPU victims are demoted to host when there is one.
+
+        The hot path of every route and event, so the table updates are inlined with the
+        masks computed once.
+        """
+        gpu, host, table, pred_pop = inst.gpu, inst.host, self._table, inst.pred.pop
+        keep_local = ~inst.gpu_bit
+        drop_all = ~(inst.gpu_bit | inst.local_bit)
         excess = len(gpu) - inst.gpu_cap
         if excess > 0:
-            victims = [gpu.popitem(last=False)[0] for _ in range(excess)]
-            table, gbit = self._table, inst.gpu_bit
-            for h in victims:
-                table[h] &= ~gbit  # still local: host copy or demotion below, else dropped
-            if inst.host_cap:
-                self._add_host(inst, victims)
-            else:
-                for h in victims:
-                    if h not in host:
-                        self._gone(inst, h)
+            popitem = gpu.popitem
+            for _ in range(excess):
+                h = popitem(False)[0]
+                if inst.host_cap or h in host:  # demoted, or already has a host copy
+                    table[h] &= keep_local
+                    if h in host:
+                        host.move_to_end(h)
+                    else:
+                        host[h] = None  # the local bit is already set
+                    continue
+                pred_pop(h, None)
+                left = table[h] & drop_all
+                if left:
+                    table[h] = left
+                else:
+                    del table[h]
         excess = len(host) - inst.host_cap
-        for _ in range(excess):
-            h = host.popitem(last=False)[0]
-            if h not in gpu:
-                self._gone(inst, h)
+        if excess > 0:
+            popitem = host.popitem
+            for _ in range(excess):
+                h = popitem(False)[0]
+                if h in gpu:
+                    continue
+                pred_pop(h, None)
+                left = table[h] & drop_all
+                if left:
+                    table[h] = left
+                else:
+                    del table[h]
 
     def _drop(self, inst: _Instance, h: int, tier: Tier) -> None:
         """Remove a block the instance holds on ``tier`` (GPU or HOST)."""

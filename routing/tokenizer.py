@@ -10,6 +10,7 @@ approximate about *where* the engine's block boundaries fall.
 from __future__ import annotations
 
 import zlib
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -49,9 +50,7 @@ class ApproxTokenizer:
             c = self._step
             return [crc(text[i : i + c].encode()) & _TOKEN_MASK for i in range(0, n, c)]
         bounds = self._bounds(n)
-        return [
-            crc(text[a:b].encode()) & _TOKEN_MASK for a, b in zip(bounds, bounds[1:], strict=False)
-        ]
+        return [crc(text[a:b].encode()) & _TOKEN_MASK for a, b in pairwise(bounds)]
 
     def count_tokens(self, text: str) -> int:
         if self._step:
@@ -117,14 +116,14 @@ class FileTokenizer:
 
 
 def load_tokenizer(path: str | None, chars_per_token: float = 4.0) -> Tokenizer:
-    """The tokenizer ``RoutingSettings`` asks for: the file if one is set, else the approximation."""
+    """The tokenizer ``RoutingSettings`` asks for: the file if set, else the approximation."""
     if path:
         return FileTokenizer(path)
     return ApproxTokenizer(chars_per_token)
 
 
 def count_tokens(text: str, tokenizer: Tokenizer) -> int:
-    """Token count of ``text`` (uses a cheaper ``count_tokens`` method when the tokenizer has one)."""
+    """Token count of ``text`` (through the tokenizer's cheaper ``count_tokens`` if it has one)."""
     counter = getattr(tokenizer, "count_tokens", None)
     if counter is not None:
         return int(counter(text))

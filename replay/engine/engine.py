@@ -88,6 +88,7 @@ class Engine:
         kv_capacity_tokens: int,
         chunk_tokens: int | None = None,
         decode_tbt_limit_s: float | None = None,
+        max_segment_steps: int | None = None,
     ) -> None:
         self.id = instance_id
         self.role = role
@@ -97,6 +98,9 @@ class Engine:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.chunk_tokens = chunk_tokens
         self.decode_tbt_limit_s = decode_tbt_limit_s
+        # The emulator streams tokens as they are made, so it plans one step at a time (1);
+        # the simulator skips ahead to the next change (None).
+        self.max_segment_steps = max_segment_steps
         self.queue: deque[PrefillJob] = deque()
         self.running: dict[str, DecodeSeq] = {}
         self.joining: deque[DecodeSeq] = deque()
@@ -171,6 +175,8 @@ class Engine:
             self._plan = _Plan(t + dt, 1, chunks, t, batch, ctx)
         elif self.running:
             steps = min(s.remaining for s in self.running.values())
+            if self.max_segment_steps is not None:
+                steps = min(steps, self.max_segment_steps)
             dt = self.timing.decode_steps(batch, ctx, steps)
             self._plan = _Plan(t + dt, steps, [], t, batch, ctx)
         else:

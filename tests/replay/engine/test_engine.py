@@ -123,3 +123,12 @@ def test_drop_clears_accounting() -> None:
     e.submit_decode(DecodeSeq("b", 1000, 100), 0.0)
     assert e.drop("b") and e.drop("a") is not None
     assert e.reserved_tokens == 0
+
+
+def test_step_at_a_time_mode_emits_every_step() -> None:
+    e = engine(Role.DECODE, max_segment_steps=1)
+    e.submit_decode(DecodeSeq("a", 1000, 5), 0.0)
+    reports = run_until_idle(e)
+    assert len(reports) == 5
+    assert [r.tbt[0][1] for _, r in reports] == [1] * 5
+    assert reports[-1][1].finished[0].generated == 5

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from routing.tokenizer import (
+    ApproxTokenizer,
+    FileTokenizer,
+    Tokenizer,
+    count_tokens,
+    load_tokenizer,
+)
+
+SENTENCES = [
+    "the cache holds the prefix of the prompt",
+    "the gateway routes the prompt to the instance",
+    "a block of tokens is hashed with its parent",
+    "the prefix of the prompt is cached on the instance",
+]
+
+
+def test_approx_is_crc32_of_chunks() -> None:
+    tok = ApproxTokenizer(4.0)
+    ids = tok.encode("abcdefghij")
+    assert ids == [
+        zlib.crc32(b"abcd") & 0x7FFFFFFF,
+        zlib.crc32(b"efgh") & 0x7FFFFFFF,
+        zlib.crc32(b"ij") & 0x7FFFFFFF,
+    ]
+    assert tok.encode("") == []
+    assert tok.encode("é") == [zlib.crc32("é".encode()) & 0x7FFFFFFF]
+
+
+@given(text=st.text(max_size=300), cpt=st.sampled_from([1.0, 2.5, 3.7, 4.0, 4.3, 9.0]))
+def test_approx_count_and_range(text: str, cpt: float) -> None:
+    tok = ApproxTokenizer(cpt)
+    ids = tok.encode(text)
+    assert len(ids) == tok.count_tokens(text) == count_tokens(text, tok)
+    assert len(ids) == math.ceil(len(text) / cpt) or not cpt.is_integer()
+    assert abs(len(ids) - len(text) / cpt) <= 1
+    assert all(0 <= t < 2**31 for t in ids)
+
+
+@given(
+    prefix=st.text(max_size=200),
+    a=st.text(max_size=50),
+    b=st.text(max_size=50),
+    cpt=st.sampled_from([1.0, 3.0, 3.7, 4.0, 5.5]),
+)
+def test_approx_prefix_property(prefix: str, a: str, b: str, cpt: float) -> None:
+    """Equal text prefixes give equal token prefixes (the full chunks inside the prefix)."""
+    tok = ApproxTokenizer(cpt)
+    full_chunks = sum(1 for k in range(1, len(prefix) + 1) if int(k * cpt) <= len(prefix))
+    assert tok.encode(prefix + a)[:full_chunks] == tok.encode(prefix + b)[:full_chunks]
+    assert tok.encode(prefix + a)[:full_chunks] == tok.encode(prefix)[:full_chunks]
+
+
+def test_approx_deterministic_across_processes() -> None:
+    code = (
+        "from routing.tokenizer import ApproxTokenizer;"
+        "print(ApproxTokenizer(3.5).encode('hello world, kv'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "99", "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    ).stdout.strip()
+    assert out == str(ApproxTokenizer(3.5).encode("hello world, kv"))
+
+
+def test_approx_rejects_bad_ratio() -> None:
+    for bad in (0.0, 0.5, -1.0, float("nan")):
+        with pytest.raises(ValueError):
+            ApproxTokenizer(bad)
+
+
+def _tiny_tokenizer_file(tmp_path: Path) -> Path:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_file_tokenizer_roundtrip(tmp_path: Path) -> None:
+    path = _tiny_tokenizer_file(tmp_path)
+    tok = FileTokenizer(path)
+    assert isinstance(tok, Tokenizer)
+    ids = tok.encode("the prefix of the prompt")
+    assert len(ids) == 5
+    assert ids[0] == ids[3]  # "the" twice
+    assert tok.encode("the prefix of the prompt zebra")[:5] == ids
+    assert tok.count_tokens("the prompt") == 2
+    # A second load of the same file gives the same ids.
+    assert FileTokenizer(str(path)).encode("the prefix of the prompt") == ids
+    assert tok.path == path
+
+
+def test_file_tokenizer_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        FileTokenizer(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot load tokenizer file .*bad\.json"):
+        FileTokenizer(bad)
+
+
+def test_load_tokenizer(tmp_path: Path) -> None:
+    approx = load_tokenizer(None, 3.0)
+    assert isinstance(approx, ApproxTokenizer) and approx.chars_per_token == 3.0
+    path = _tiny_tokenizer_file(tmp_path)
+    assert isinstance(load_tokenizer(str(path), 4.0), FileTokenizer)
+
+
+def test_count_tokens_falls_back_to_encode() -> None:
+    class Words:
+        def encode(self, text: str) -> list[int]:
+            return [len(w) for w in text.split()]
+
+    assert count_tokens("a bb ccc", Words()) == 3
