@@ -41,6 +41,10 @@ class _Kind(IntEnum):  # the tie-break order at equal times
 @dataclass(frozen=True, slots=True)
 class SimOptions:
     sample_interval_s: float = 5.0  # load samples and token progress reports
+    # The max_tokens a client asks for. Traces give the length actually generated; using it as
+    # max_tokens would hand the output-length predictor the answer, so requests ask for at least
+    # this many and the engine stops at the trace's length (as if at an end-of-sequence token).
+    max_tokens: int = 2048
     label: str | None = None
 
 
@@ -72,6 +76,7 @@ class Simulator:
         self._requests: dict[str, RequestInfo] = {}
         self._decisions: dict[str, Decision] = {}
         self._first_token_s: dict[str, float] = {}
+        self._output: dict[str, int] = {}  # tokens each request will really generate
         adm = self.settings.admission.mode.value
         self.result = RunResult(
             label=self.options.label or f"{self.settings.routing.policy}+{adm}",
@@ -133,12 +138,13 @@ class Simulator:
             request_id=rid,
             prompt_tokens=tr.input_length,
             block_hashes=blocks,
-            max_tokens=max(tr.output_length, 1),
+            max_tokens=max(tr.output_length, self.options.max_tokens),
             arrival_s=now,
             output_key=blocks[0] if blocks else None,
         )
         out = RequestOutcome(rid, now, tr.input_length, tr.output_length)
         self.outcomes[rid] = out
+        self._output[rid] = max(tr.output_length, 1)
         decision = self.conductor.schedule(req, now)
         if not isinstance(decision, Decision):
             out.outcome, out.reason = Outcome.REJECTED, decision.reason.value
@@ -165,7 +171,9 @@ class Simulator:
         req, decision = self._requests[rid], self._decisions[rid]
         engine = self.engines[decision.prefill]
         engine.submit_prefill(
-            PrefillJob(rid, req.block_hashes, req.prompt_tokens, req.max_tokens, self.block_size),
+            PrefillJob(
+                rid, req.block_hashes, req.prompt_tokens, self._output[rid], self.block_size
+            ),
             now,
         )
         self._wake(engine)
@@ -222,7 +230,7 @@ class Simulator:
             self.conductor.first_token(rid, now)
             req = self._requests[rid]
             decode_id = self._decisions[rid].decode
-            if req.max_tokens <= 1:
+            if self._output[rid] <= 1:
                 self._complete(rid, 1, now)
             elif decode_id != engine.id:
                 nbytes = req.prompt_tokens * self.kv_bytes_per_token
@@ -235,7 +243,9 @@ class Simulator:
     def _on_kv_arrived(self, rid: str, now: float) -> None:
         req = self._requests[rid]
         engine = self.engines[self._decisions[rid].decode]
-        refused = engine.submit_decode(DecodeSeq(rid, req.prompt_tokens, req.max_tokens - 1), now)
+        refused = engine.submit_decode(
+            DecodeSeq(rid, req.prompt_tokens, self._output[rid] - 1), now
+        )
         if refused is not None:
             out = self.outcomes[rid]
             out.outcome, out.reason = Outcome.REJECTED_AFTER_PREFILL, refused
@@ -257,6 +267,7 @@ class Simulator:
         self._requests.pop(rid, None)
         self._decisions.pop(rid, None)
         self._first_token_s.pop(rid, None)
+        self._output.pop(rid, None)
 
     # ------------------------------------------------------------------ sampling
     def _on_sample(self, now: float) -> None:

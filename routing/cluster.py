@@ -31,7 +31,10 @@ class DecodeWork:
     prompt_tokens: int
     predicted_output: int
     est_arrival_s: float  # when the KV is expected to be on this instance
-    est_finish_s: float = 0.0
+    # Decode step (on the instance's step clock) at which it is predicted to finish. All
+    # sequences of a batch advance one token per step, so this key never goes stale when the
+    # batch (and so the TBT) changes; only new token counts re-key it.
+    finish_step: float = 0.0
     generated: int = 0
     started_s: float | None = None  # None while the prefill is still running
 
@@ -43,9 +46,14 @@ class DecodeWork:
     def reserved_tokens(self) -> int:
         return self.prompt_tokens + max(self.predicted_output, self.generated)
 
+    def expected_remaining(self) -> int:
+        """Tokens still to come. A sequence that outlived its prediction is not about to end:
+        output lengths are heavy-tailed, so keep expecting a quarter of the prediction more."""
+        return max(self.predicted_output - self.generated, self.predicted_output // 4, 1)
+
 
 def _finish_key(w: DecodeWork) -> tuple[float, str]:
-    return (w.est_finish_s, w.request_id)
+    return (w.finish_step, w.request_id)
 
 
 def _arrival_key(w: DecodeWork) -> tuple[float, str]:
@@ -75,11 +83,14 @@ class InstanceState:
     busy_until_s: float = 0.0
     queued_tokens: int = 0
     incoming: dict[str, DecodeWork] = field(default_factory=dict)
+    incoming_tokens: int = 0  # prompt tokens of the requests heading here
     running: dict[str, DecodeWork] = field(default_factory=dict)
     batch: int = 0
     context_tokens: int = 0
     reserved_tokens: int = 0
     inbound_bytes: float = 0.0  # KV transfers in flight into this instance
+    steps: float = 0.0  # decode steps run so far (estimated from predicted TBT)
+    steps_at_s: float = 0.0
     _by_finish: SortedKeyList = field(default_factory=lambda: SortedKeyList(key=_finish_key))
     _by_arrival: SortedKeyList = field(default_factory=lambda: SortedKeyList(key=_arrival_key))
 
@@ -137,8 +148,27 @@ class InstanceState:
             self.batch + extra_batch, self.context_tokens + extra_tokens
         )
 
+    def step_clock(self, now: float) -> float:
+        """Decode steps run by ``now``: the clock advances at the predicted TBT."""
+        if now > self.steps_at_s:
+            if self.batch:
+                self.steps += (now - self.steps_at_s) / max(self.tbt_now(), 1e-4)
+            self.steps_at_s = now
+        return self.steps
+
+    def committed_tbt(self, prompt_tokens: int) -> float:
+        """TBT once everything assigned here (running and still in prefill) and a new request
+        of ``prompt_tokens`` decode together: the load-balancing key for decode placement.
+        Ranking by the current batch alone herds requests onto an instance whose batch is
+        small only because its newcomers are still in prefill."""
+        return self.predictors.decode.step_time(
+            self.batch + len(self.incoming) + 1,
+            self.context_tokens + self.incoming_tokens + prompt_tokens,
+        )
+
     def add_incoming(self, work: DecodeWork) -> None:
         self.incoming[work.request_id] = work
+        self.incoming_tokens += work.prompt_tokens
         self._by_arrival.add(work)
         self.reserved_tokens += work.reserved_tokens
 
@@ -146,11 +176,11 @@ class InstanceState:
         work = self.incoming.pop(request_id, None)
         if work is None:
             return None
+        self.incoming_tokens -= work.prompt_tokens
         self._by_arrival.remove(work)
         work.started_s = now
         work.est_arrival_s = now
-        tbt = self.tbt_now(1, work.context_tokens)
-        work.est_finish_s = now + max(work.predicted_output - work.generated, 1) * tbt
+        work.finish_step = self.step_clock(now) + work.expected_remaining()
         self.running[request_id] = work
         self._by_finish.add(work)
         self.batch += 1
@@ -163,16 +193,17 @@ class InstanceState:
             return
         before = work.reserved_tokens
         self._by_finish.remove(work)
+        clock = self.step_clock(now)
         work.generated += n
         self.context_tokens += n
         self.reserved_tokens += work.reserved_tokens - before
-        left = max(work.predicted_output - work.generated, 1)
-        work.est_finish_s = now + left * self.tbt_now()
+        work.finish_step = clock + work.expected_remaining()
         self._by_finish.add(work)
 
-    def remove_decode(self, request_id: str) -> DecodeWork | None:
+    def remove_decode(self, request_id: str, now: float) -> DecodeWork | None:
         work = self.running.pop(request_id, None)
         if work is not None:
+            self.step_clock(now)
             self._by_finish.remove(work)
             self.batch -= 1
             self.context_tokens -= work.context_tokens
@@ -180,6 +211,7 @@ class InstanceState:
             work = self.incoming.pop(request_id, None)
             if work is None:
                 return None
+            self.incoming_tokens -= work.prompt_tokens
             self._by_arrival.remove(work)
         self.reserved_tokens -= work.reserved_tokens
         return work
@@ -190,12 +222,14 @@ class InstanceState:
     def forecast(self, at_s: float, now: float, prompt_tokens: int) -> DecodeForecast:
         """Decode batch and TBT at ``at_s`` if a request of ``prompt_tokens`` arrives then.
 
-        Mooncake's prediction-based early rejection: requests now in prefill that will have
-        moved here by then join; running decodes predicted to finish by then leave.
+        Mooncake's prediction-based early rejection: running decodes predicted to finish by
+        then leave; requests now in prefill that will have moved here by then join.
         """
         batch = self.batch + 1
         tokens = self.context_tokens + prompt_tokens
-        for w in self._by_finish.irange_key(max_key=(at_s, "\uffff")):
+        tbt = max(self.tbt_now(), 1e-4)
+        horizon = self.step_clock(now) + max(at_s - now, 0.0) / tbt
+        for w in self._by_finish.irange_key(max_key=(horizon, "\uffff")):
             batch -= 1
             tokens -= w.context_tokens
         for w in self._by_arrival.irange_key(max_key=(at_s, "\uffff")):
@@ -203,12 +237,16 @@ class InstanceState:
             tokens += w.prompt_tokens
         if at_s > now and batch > 1:
             # Sequences still running grow by one token per step until then.
-            grown = (batch - 1) * int((at_s - now) / max(self.tbt_now(), 1e-4))
+            grown = (batch - 1) * int((at_s - now) / tbt)
             tokens += min(grown, self.capacity_tokens)
         return DecodeForecast(batch, tokens, self.predictors.decode.step_time(batch, tokens))
 
-    def next_finish_s(self) -> float | None:
-        return self._by_finish[0].est_finish_s if self._by_finish else None
+    def next_finish_s(self, now: float) -> float | None:
+        """When the first running sequence is predicted to finish."""
+        if not self._by_finish:
+            return None
+        left = self._by_finish[0].finish_step - self.step_clock(now)
+        return now + max(left, 0.0) * self.tbt_now()
 
     def clear_work(self) -> list[str]:
         """Forget all work (instance removed or died); returns the affected request ids."""
@@ -218,7 +256,8 @@ class InstanceState:
         self.running.clear()
         self._by_finish.clear()
         self._by_arrival.clear()
-        self.busy_until_s = 0.0
+        self.busy_until_s = self.steps = 0.0
         self.queued_tokens = self.batch = self.context_tokens = self.reserved_tokens = 0
+        self.incoming_tokens = 0
         self.inbound_bytes = 0.0
         return ids

@@ -241,7 +241,7 @@ class Conductor:
         else:
             p = req.prompt_tokens
             fits = [
-                (d.predictors.decode.step_time(d.batch + 1, d.context_tokens + p), d.bit_order, d)
+                (d.committed_tbt(p), d.bit_order, d)
                 for d in self._decode
                 if d.reserved_tokens + need <= d.capacity_tokens and d.batch < d.max_batch
             ]
@@ -251,22 +251,23 @@ class Conductor:
                     return None, 0.0, 0.0, 0.0
                 ranked = [(d.tbt_now(1, req.prompt_tokens), 0, d) for d in self._decode[:1]]
         if self.admission.mode is not AdmissionMode.PREDICTIVE:
-            tbt, _, d = ranked[0]
+            d = ranked[0][2]
+            tbt = d.tbt_now(1, req.prompt_tokens)  # early rejection checks today's load
             return d, tbt, tbt, self._retry_hint(d, ctx.now)
         arrive = ctx.now + option.ttft_s
         best = None
-        for tbt, _, d in ranked:
+        for _, _, d in ranked:
             at = arrive + d.predictors.link.time(req.prompt_tokens)
             fc = d.forecast(at, ctx.now, req.prompt_tokens).tbt_s
-            if best is None or fc < best[2]:
-                best = (d, tbt, fc)
+            if best is None or fc < best[1]:
+                best = (d, fc)
         assert best is not None
-        d, tbt, fc = best
-        return d, tbt, fc, self._retry_hint(d, ctx.now)
+        d, fc = best
+        return d, d.tbt_now(1, req.prompt_tokens), fc, self._retry_hint(d, ctx.now)
 
     @staticmethod
     def _retry_hint(inst: InstanceState, now: float) -> float:
-        nxt = inst.next_finish_s()
+        nxt = inst.next_finish_s(now)
         return max(nxt - now, 0.0) if nxt is not None else 1.0
 
     def _plan_replication(
@@ -405,7 +406,7 @@ class Conductor:
             prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
         decode = self.instances.get(rec.decision.decode)
         if decode is not None:
-            decode.remove_decode(request_id)
+            decode.remove_decode(request_id, now)
         return rec
 
     def kv_event(self, instance_id: str, event: KVEvent, now: float) -> None:

@@ -39,7 +39,7 @@ def test_decode_totals_follow_the_step_model() -> None:
     i.add_tokens("r0", 24, 0.1)
     assert (i.batch, i.context_tokens) == (32, 32 * 1000 + 24)
     assert i.tbt_now() == pytest.approx(i.predictors.decode.step_time(32, 32_024))
-    i.remove_decode("r0")
+    i.remove_decode("r0", 0.1)
     assert (i.batch, i.context_tokens) == (31, 31_000)
     assert i.reserved_tokens == 31 * 1100
 
