@@ -33,6 +33,11 @@ class AdmissionMode(StrEnum):
     PREDICTIVE = "predictive"
 
 
+class DecodePlacement(StrEnum):
+    COMMITTED = "committed"
+    CURRENT = "current"
+
+
 class ReplicationSink(StrEnum):
     DRY_RUN = "dry_run"
     ENGINE = "engine"
@@ -98,6 +103,10 @@ class RoutingSettings:
     min_transfer_blocks: int = 4
     # Predict-on-route entries expire unless an engine KV event confirms them; None = never.
     predict_on_route_ttl_s: float | None = None
+    # Decode placement key: "committed" = TBT with everything already assigned to the
+    # instance (running + still in prefill); "current" = TBT of the running batch only
+    # (Mooncake's load balancing; herds requests onto instances whose newcomers are in prefill).
+    decode_placement: DecodePlacement = DecodePlacement.COMMITTED
     tokenizer_file: str | None = None
     chars_per_token: float = 4.0
     seed: int = 0

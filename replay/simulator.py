@@ -75,7 +75,9 @@ class Simulator:
         self.outcomes: dict[str, RequestOutcome] = {}
         self._requests: dict[str, RequestInfo] = {}
         self._decisions: dict[str, Decision] = {}
-        self._first_token_s: dict[str, float] = {}
+        # When each request's decoding started: TBT counts decode steps only, since Mooncake
+        # overlaps the KV transfer with the prefill layer by layer (TTFT ends at prefill).
+        self._decode_start_s: dict[str, float] = {}
         self._output: dict[str, int] = {}  # tokens each request will really generate
         adm = self.settings.admission.mode.value
         self.result = RunResult(
@@ -226,7 +228,7 @@ class Simulator:
             out = self.outcomes[rid]
             out.cached_tokens = done.cached_tokens
             out.ttft_s = now - out.arrival_s  # the prefill produces the first token
-            self._first_token_s[rid] = now
+            self._decode_start_s[rid] = now  # colocated engines decode from here on
             self.conductor.first_token(rid, now)
             req = self._requests[rid]
             decode_id = self._decisions[rid].decode
@@ -252,21 +254,22 @@ class Simulator:
             self.conductor.failed(rid, now)
             self._forget(rid)
             return
+        self._decode_start_s[rid] = now
         self._wake(engine)
 
     def _complete(self, rid: str, generated: int, now: float) -> None:
         out = self.outcomes[rid]
         out.outcome, out.finish_s, out.generated = Outcome.COMPLETED, now, generated
-        first = self._first_token_s.get(rid)
-        if first is not None and generated > 1:
-            out.tbt_mean_s = (now - first) / (generated - 1)
+        start = self._decode_start_s.get(rid)
+        if start is not None and generated > 1:
+            out.tbt_mean_s = (now - start) / (generated - 1)
         self.conductor.finished(rid, now, output_tokens=generated)
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
         self._decisions.pop(rid, None)
-        self._first_token_s.pop(rid, None)
+        self._decode_start_s.pop(rid, None)
         self._output.pop(rid, None)
 
     # ------------------------------------------------------------------ sampling

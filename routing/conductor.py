@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from config.settings import AdmissionMode, InstanceSettings, Role, Settings
+from config.settings import AdmissionMode, DecodePlacement, InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.output_length import OutputLengthPredictor
 from routing.admission import Admission, EffectiveSLO, resolve_slo
@@ -37,7 +37,6 @@ from routing.types import (
 )
 
 PredictorFactory = Callable[[str | None], InstancePredictors]
-_FORECAST_CANDIDATES = 3  # decode instances whose future batch is forecast per decision
 
 
 @dataclass(slots=True)
@@ -240,30 +239,27 @@ class Conductor:
             ranked = [(chosen.tbt_now(1, req.prompt_tokens), 0, chosen)]
         else:
             p = req.prompt_tokens
+            committed = self.settings.routing.decode_placement is DecodePlacement.COMMITTED
             fits = [
-                (d.committed_tbt(p), d.bit_order, d)
+                (d.committed_tbt(p) if committed else d.tbt_now(1, p), d.bit_order, d)
                 for d in self._decode
                 if d.reserved_tokens + need <= d.capacity_tokens and d.batch < d.max_batch
             ]
-            ranked = heapq.nsmallest(_FORECAST_CANDIDATES, fits)
+            ranked = heapq.nsmallest(1, fits)
             if not ranked:
                 if self.admission.mode is not AdmissionMode.NONE:
                     return None, 0.0, 0.0, 0.0
                 ranked = [(d.tbt_now(1, req.prompt_tokens), 0, d) for d in self._decode[:1]]
+        d = ranked[0][2]
+        tbt = d.tbt_now(1, req.prompt_tokens)
         if self.admission.mode is not AdmissionMode.PREDICTIVE:
-            d = ranked[0][2]
-            tbt = d.tbt_now(1, req.prompt_tokens)  # early rejection checks today's load
-            return d, tbt, tbt, self._retry_hint(d, ctx.now)
-        arrive = ctx.now + option.ttft_s
-        best = None
-        for _, _, d in ranked:
-            at = arrive + d.predictors.link.time(req.prompt_tokens)
-            fc = d.forecast(at, ctx.now, req.prompt_tokens).tbt_s
-            if best is None or fc < best[1]:
-                best = (d, fc)
-        assert best is not None
-        d, fc = best
-        return d, d.tbt_now(1, req.prompt_tokens), fc, self._retry_hint(d, ctx.now)
+            return d, tbt, tbt, self._retry_hint(d, ctx.now)  # early: today's load
+        # Predictive: the load forecast for when the request gets there. The instance is the
+        # committed-load choice; picking the best of several forecasts would select for the
+        # most optimistic forecast error (more late rejections), so only one is forecast.
+        at = ctx.now + option.ttft_s + d.predictors.link.time(req.prompt_tokens)
+        fc = d.forecast(at, ctx.now, req.prompt_tokens).tbt_s
+        return d, tbt, fc, self._retry_hint(d, ctx.now)
 
     @staticmethod
     def _retry_hint(inst: InstanceState, now: float) -> float:
