@@ -179,12 +179,29 @@ class ReplicationSettings:
     timeout_s: float = 30.0
 
 
+class TracingExporter(StrEnum):
+    OFF = "off"
+    CONSOLE = "console"
+    OTLP = "otlp"
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     # Admin API bearer token; None disables the admin API (no default token works).
     admin_token: str | None = None
+    # Retries on another instance, only while nothing has reached the client yet.
+    max_retries: int = 1
+    health_interval_s: float = 2.0
+    scrape_interval_s: float = 1.0
+    # Observed prefill timings refit the prefill predictor this often (0 = never).
+    refit_interval_s: float = 60.0
+    refit_min_samples: int = 200
+    recent_decisions: int = 1000  # kept for /admin/decisions and predictor accuracy
+    max_body_bytes: int = 16 * 1024 * 1024
+    tracing: TracingExporter = TracingExporter.OFF
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,18 @@ def _sim_cache(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.serve import main
+
+    return main(args)
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from replay.emulator.cli import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate",
@@ -58,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible reverse proxy)")
+    from gateway.serve import add_arguments as add_serve_args
+
+    add_serve_args(serve)
+    serve.set_defaults(func=_serve)
+
+    emulate = sub.add_parser("emulate", help="run an engine emulator (vLLM/SGLang on the wire)")
+    from replay.emulator.cli import add_arguments as add_emulate_args
+
+    add_emulate_args(emulate)
+    emulate.set_defaults(func=_emulate)
 
     cfg = sub.add_parser("config", help="check or show a configuration file")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")

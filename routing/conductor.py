@@ -411,6 +411,10 @@ class Conductor:
     def store_event(self, event: KVEvent) -> None:
         self.index.apply_store(event)
 
+    def replication_dropped(self, command_id: str) -> None:
+        """A command that will not be executed (dry run): release its in-flight slot."""
+        self.planner.drop(command_id)
+
     def replication_done(self, command_id: str, ok: bool, now: float) -> ReplicationCommand | None:
         """A copy finished. On success the destination holds the blocks; on failure the index
         is unchanged and a retry command may be returned."""

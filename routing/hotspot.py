@@ -194,6 +194,14 @@ class HotspotPlanner:
         self._per_dest[cmd.destination] += 1
         return retry
 
+    def drop(self, command_id: str) -> None:
+        """Forget a command without retrying it (a dry-run sink executes nothing)."""
+        entry = self.in_flight.pop(command_id, None)
+        if entry is not None:
+            cmd = entry.command
+            self._per_dest[cmd.destination] -= 1
+            self._pending.discard((cmd.prefix_key, cmd.destination))
+
     def expire(self, now: float) -> list[ReplicationCommand]:
         """Commands past the timeout count as failed; returns the retries to execute."""
         retries = []

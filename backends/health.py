@@ -1,0 +1,237 @@
+"""Per-instance circuit breaker (request outcomes) and active ``/health`` polling.
+
+The two are deliberately separate signals: the breaker reacts to failures of real traffic
+within seconds, the health checker catches an engine that is down while it gets no traffic.
+The gateway marks an instance routable only when both agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"  # traffic flows
+    OPEN = "open"  # traffic refused until open_s has passed
+    HALF_OPEN = "half_open"  # trial traffic; successes close it, one failure reopens it
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """Defaults are SGLang model gateway's (reference/peer-routers.md sections 1.4 and 14)."""
+
+    failure_threshold: int = 10
+    window_s: float = 120.0
+    open_s: float = 60.0
+    success_threshold: int = 3
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1 or self.success_threshold < 1:
+            raise ValueError("failure_threshold and success_threshold must be >= 1")
+        if self.window_s <= 0 or self.open_s <= 0:
+            raise ValueError("window_s and open_s must be positive")
+
+    @classmethod
+    def fast(cls) -> BreakerConfig:
+        """Small numbers for tests and the emulated fleet: trips and recovers in ~0.1 s."""
+        return cls(failure_threshold=3, window_s=1.0, open_s=0.1, success_threshold=2)
+
+
+class CircuitBreaker:
+    """Pure state machine; every method takes the caller's clock."""
+
+    def __init__(self, config: BreakerConfig | None = None) -> None:
+        self.config = config if config is not None else BreakerConfig()
+        self._state = BreakerState.CLOSED
+        self._failures: deque[float] = deque()  # failure times inside the window (CLOSED)
+        self._opened_at = 0.0
+        self._trial_successes = 0
+        self.opened_count = 0  # how often it tripped, for metrics
+
+    @property
+    def state(self) -> BreakerState:
+        """State as of the last call; use ``state_at`` to also apply the open timeout."""
+        return self._state
+
+    def state_at(self, now: float) -> BreakerState:
+        if self._state is BreakerState.OPEN and now - self._opened_at >= self.config.open_s:
+            self._state = BreakerState.HALF_OPEN
+            self._trial_successes = 0
+        return self._state
+
+    def allow(self, now: float) -> bool:
+        return self.state_at(now) is not BreakerState.OPEN
+
+    def record_success(self, now: float) -> None:
+        if self.state_at(now) is BreakerState.HALF_OPEN:
+            self._trial_successes += 1
+            if self._trial_successes >= self.config.success_threshold:
+                self._state = BreakerState.CLOSED
+                self._failures.clear()
+        # In CLOSED a success does not forgive earlier failures: the threshold counts
+        # failures per window, so an instance failing every other request still trips.
+        # In OPEN it is a straggler that was admitted before the breaker opened.
+
+    def record_failure(self, now: float) -> None:
+        state = self.state_at(now)
+        if state is BreakerState.HALF_OPEN:
+            self._open(now)
+        elif state is BreakerState.CLOSED:
+            self._failures.append(now)
+            while self._failures and now - self._failures[0] > self.config.window_s:
+                self._failures.popleft()
+            if len(self._failures) >= self.config.failure_threshold:
+                self._open(now)
+        # In OPEN: stragglers must not extend the open period, or it would never end.
+
+    def _open(self, now: float) -> None:
+        self._state = BreakerState.OPEN
+        self._opened_at = now
+        self._failures.clear()
+        self._trial_successes = 0
+        self.opened_count += 1
+
+
+@dataclass(slots=True)
+class TargetHealth:
+    healthy: bool | None = None  # None until the first check completes
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_checked_s: float | None = None
+    last_error: str | None = None
+
+
+class HealthChecker:
+    """Polls ``GET {url}/health`` for every target and reports health transitions.
+
+    The first result decides an unknown target at once (traffic should not wait several
+    intervals for a new instance); after that ``unhealthy_after`` consecutive failures or
+    ``healthy_after`` consecutive successes are needed to flip, so one slow answer does not
+    flap an instance in and out of the pool. Defaults (SMG): 60 s interval, 5 s timeout.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        targets: Mapping[str, str],
+        *,
+        interval_s: float = 60.0,
+        timeout_s: float = 5.0,
+        unhealthy_after: int = 3,
+        healthy_after: int = 2,
+        on_change: Callable[[str, bool], None],
+        clock: Callable[[], float],
+        path: str = "/health",
+    ) -> None:
+        if unhealthy_after < 1 or healthy_after < 1:
+            raise ValueError("unhealthy_after and healthy_after must be >= 1")
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError("interval_s and timeout_s must be positive")
+        self._session = session
+        self.interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._unhealthy_after = unhealthy_after
+        self._healthy_after = healthy_after
+        self._on_change = on_change
+        self._clock = clock
+        self._path = path
+        self._targets: dict[str, str] = {}
+        self._health: dict[str, TargetHealth] = {}
+        self.set_targets(targets)
+
+    @property
+    def status(self) -> Mapping[str, TargetHealth]:
+        return self._health
+
+    def healthy(self, instance_id: str) -> bool | None:
+        h = self._health.get(instance_id)
+        return h.healthy if h is not None else None
+
+    def mark_unhealthy(self, instance_id: str) -> None:
+        """Another signal (e.g. an open circuit breaker) ejected the instance: it must now pass
+        ``healthy_after`` consecutive checks before it is reported healthy again."""
+        h = self._health.get(instance_id)
+        if h is not None:
+            h.healthy = False
+            h.consecutive_successes = 0
+
+    def set_targets(self, targets: Mapping[str, str]) -> None:
+        """Replace the target set; new targets start unknown, removed ones are forgotten."""
+        self._targets = {iid: url.rstrip("/") for iid, url in targets.items()}
+        for gone in set(self._health) - set(self._targets):
+            del self._health[gone]
+        for iid in self._targets:
+            self._health.setdefault(iid, TargetHealth())
+
+    async def check_once(self) -> dict[str, bool]:
+        """Probe every target concurrently; returns the (post-hysteresis) health of each."""
+        targets = dict(self._targets)  # snapshot: set_targets may run while we await
+        results = await asyncio.gather(*(self._probe(url) for url in targets.values()))
+        now = self._clock()
+        out: dict[str, bool] = {}
+        for iid, error in zip(targets, results, strict=True):
+            h = self._health.get(iid)
+            if h is None:  # removed while probing
+                continue
+            self._apply(iid, h, error, now)
+            out[iid] = bool(h.healthy)
+        return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Check every ``interval_s`` (start to start) until ``stop`` is set."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            started = loop.time()
+            await self.check_once()
+            remaining = self.interval_s - (loop.time() - started)
+            if remaining > 0:
+                with contextlib.suppress(TimeoutError):  # the normal case: a full interval
+                    await asyncio.wait_for(stop.wait(), timeout=remaining)
+
+    async def _probe(self, base_url: str) -> str | None:
+        """``None`` when healthy, else why not."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._session.get(base_url + self._path) as resp:
+                    await resp.read()  # drain so the connection can be reused
+                    return None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+        except TimeoutError:
+            return "timeout"
+        except aiohttp.ClientError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def _apply(self, iid: str, h: TargetHealth, error: str | None, now: float) -> None:
+        h.last_checked_s = now
+        h.last_error = error
+        if error is None:
+            h.consecutive_successes += 1
+            h.consecutive_failures = 0
+            flip = h.healthy is None or (
+                not h.healthy and h.consecutive_successes >= self._healthy_after
+            )
+            new = True
+        else:
+            h.consecutive_failures += 1
+            h.consecutive_successes = 0
+            flip = h.healthy is None or (
+                h.healthy and h.consecutive_failures >= self._unhealthy_after
+            )
+            new = False
+        if not flip:
+            return
+        h.healthy = new
+        log.info("instance %s is now %s", iid, "healthy" if new else f"unhealthy ({error})")
+        try:
+            self._on_change(iid, new)
+        except Exception:  # a consumer bug must not stop health tracking
+            log.exception("health on_change callback failed for %s", iid)

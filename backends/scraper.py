@@ -1,0 +1,147 @@
+"""Periodic, concurrent scrape of every engine's ``/metrics`` into ``EngineLoad`` snapshots.
+
+Freshness is part of the answer: ``latest`` returns ``None`` once a snapshot is older than
+``stale_after_s``, so a hung or dead engine reads as "unknown load" rather than as the last
+(possibly idle-looking) numbers it reported. A failed scrape does not erase the previous
+snapshot; it simply stops refreshing it and it ages out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+from backends.prometheus import EngineLoad, MetricsParseError, parse_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScrapeStats:
+    """Per-instance counters, for the gateway's own ``/metrics`` and the admin API."""
+
+    scrapes: int = 0
+    errors: int = 0
+    last_error: str | None = None
+
+
+class MetricsScraper:
+    """Scrapes ``{base_url}{path}`` of every target; one instance per gateway process."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        targets: Mapping[str, str],
+        *,
+        timeout_s: float = 1.0,
+        stale_after_s: float = 5.0,
+        clock: Callable[[], float],
+        path: str = "/metrics",
+    ) -> None:
+        if timeout_s <= 0 or stale_after_s <= 0:
+            raise ValueError("timeout_s and stale_after_s must be positive")
+        self._session = session
+        self._timeout_s = timeout_s
+        self._stale_after_s = stale_after_s
+        self._clock = clock
+        self._path = path
+        self._targets: dict[str, str] = {}
+        self._latest: dict[str, EngineLoad] = {}
+        self._stats: dict[str, ScrapeStats] = {}
+        self.set_targets(targets)
+
+    @property
+    def targets(self) -> Mapping[str, str]:
+        return dict(self._targets)
+
+    @property
+    def stats(self) -> Mapping[str, ScrapeStats]:
+        return self._stats
+
+    def errors(self, instance_id: str) -> int:
+        stats = self._stats.get(instance_id)
+        return stats.errors if stats is not None else 0
+
+    def set_targets(self, targets: Mapping[str, str]) -> None:
+        """Replace the target set; removed instances lose their snapshot and counters."""
+        self._targets = {iid: url.rstrip("/") for iid, url in targets.items()}
+        for gone in set(self._latest) - set(self._targets):
+            del self._latest[gone]
+        for gone in set(self._stats) - set(self._targets):
+            del self._stats[gone]
+        for iid in self._targets:
+            self._stats.setdefault(iid, ScrapeStats())
+
+    def latest(self, instance_id: str, now_s: float) -> EngineLoad | None:
+        """Most recent snapshot, or ``None`` if there is none or it is stale."""
+        load = self._latest.get(instance_id)
+        if load is None or now_s - load.scraped_at_s > self._stale_after_s:
+            return None
+        return load
+
+    async def scrape_all(self) -> dict[str, EngineLoad | None]:
+        """Scrape every target at once; a failed or slow target maps to ``None``."""
+        targets = dict(self._targets)  # snapshot: set_targets may run while we await
+        results = await asyncio.gather(*(self._scrape_one(i, u) for i, u in targets.items()))
+        return dict(zip(targets, results, strict=True))
+
+    async def run(
+        self,
+        interval_s: float,
+        stop: asyncio.Event,
+        on_scrape: Callable[[dict[str, EngineLoad | None]], None] | None = None,
+    ) -> None:
+        """Scrape every ``interval_s`` (start to start) until ``stop`` is set."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            started = loop.time()
+            results = await self.scrape_all()
+            if on_scrape is not None:
+                try:
+                    on_scrape(results)
+                except Exception:  # a consumer bug must not stop load tracking
+                    log.exception("metrics on_scrape callback failed")
+            remaining = interval_s - (loop.time() - started)
+            if remaining > 0:
+                with contextlib.suppress(TimeoutError):  # the normal case: a full interval
+                    await asyncio.wait_for(stop.wait(), timeout=remaining)
+
+    async def _scrape_one(self, instance_id: str, base_url: str) -> EngineLoad | None:
+        try:
+            # asyncio.timeout bounds connect + headers + body; a target that accepts the
+            # connection and never answers must not hold up the round.
+            async with asyncio.timeout(self._timeout_s):
+                async with self._session.get(base_url + self._path) as resp:
+                    if resp.status != 200:
+                        raise _ScrapeFailed(f"HTTP {resp.status}")
+                    # Prometheus text is UTF-8 by spec; naming it skips charset sniffing.
+                    text = await resp.text(encoding="utf-8")
+            # Parsed on the loop: a /metrics page is tens of kB, well under a millisecond's
+            # worth of work per target at the intervals this runs at.
+            load = parse_metrics(text, instance_id, self._clock())
+        except (TimeoutError, aiohttp.ClientError, _ScrapeFailed, MetricsParseError) as exc:
+            self._record_error(instance_id, exc)
+            return None
+        stats = self._stats.get(instance_id)
+        if stats is None:  # removed while the request was in flight
+            return None
+        stats.scrapes += 1
+        self._latest[instance_id] = load
+        return load
+
+    def _record_error(self, instance_id: str, exc: BaseException) -> None:
+        stats = self._stats.get(instance_id)
+        if stats is None:
+            return
+        stats.errors += 1
+        stats.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.debug("scrape of %s failed: %s", instance_id, stats.last_error)
+
+
+class _ScrapeFailed(Exception):
+    """A response that arrived but cannot be used (non-200)."""

@@ -1,0 +1,88 @@
+"""The gateway's ASGI application: a plain-ASGI fast path for completions, Starlette for the rest.
+
+``build_app(settings)`` returns an ASGI callable with ``.gateway`` attached; its lifespan
+starts and stops the background work (health checks, scrapes, KV events, refits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from config.settings import Settings
+from gateway.admin import AdminAPI
+from gateway.openai import CHAT, COMPLETIONS, error_body
+from gateway.proxy import CompletionHandler, send_json
+from gateway.runtime import Gateway
+
+
+class GatewayApp:
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic):
+        self.gateway = Gateway(settings, clock=clock)
+        self._completions = CompletionHandler(self.gateway)
+        self._starlette = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                *AdminAPI(self.gateway).routes(),
+            ],
+        )
+
+    async def __call__(self, scope: dict[str, Any], receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] in (COMPLETIONS, CHAT):
+            if scope["method"] != "POST":
+                body = error_body("use POST", "invalid_request_error")
+                await send_json(send, 405, body, [(b"allow", b"POST")])
+                return
+            await self._completions(scope, receive, send)
+            return
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        await self._starlette(scope, receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.gateway.startup()
+                except Exception as exc:  # report instead of a traceback from the server
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.gateway.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ---- small Starlette endpoints ----
+    async def models(self, request: Request) -> Response:
+        profiles = sorted(
+            {i.predictors.profile.name for i in self.gateway.conductor.instances.values()}
+        )
+        data = [{"id": p, "object": "model", "owned_by": "kvgate"} for p in profiles]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        c = self.gateway.conductor
+        ok = any(i.eligible for i in c.instances.values())
+        body = {
+            "status": "ok" if ok else "no healthy instance",
+            "instances": {iid: i.eligible for iid, i in c.instances.items()},
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.gateway.metrics.render(), media_type=self.gateway.metrics.content_type)
+
+
+def build_app(settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> GatewayApp:
+    return GatewayApp(settings, clock=clock)

@@ -1,0 +1,87 @@
+"""Prometheus metrics of one gateway (its own registry: no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+_ERROR_BUCKETS = (-0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvgate_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.rejections = Counter(
+            "kvgate_rejections",
+            "Rejections by reason and priority",
+            ["reason", "priority"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvgate_ttft_seconds",
+            "Observed time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tbt = Histogram(
+            "kvgate_tbt_seconds",
+            "Observed time between streamed chunks",
+            buckets=_TBT_BUCKETS,
+            registry=r,
+        )
+        self.ttft_error = Histogram(
+            "kvgate_ttft_prediction_error_ratio",
+            "(observed - predicted) / predicted TTFT",
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.decision = Histogram(
+            "kvgate_decision_seconds",
+            "Time to make one scheduling decision",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.queue = Gauge(
+            "kvgate_instance_queue_seconds",
+            "Predicted prefill queue per instance",
+            ["instance"],
+            registry=r,
+        )
+        self.batch = Gauge(
+            "kvgate_instance_decode_batch", "Decode batch per instance", ["instance"], registry=r
+        )
+        self.healthy = Gauge(
+            "kvgate_instance_healthy", "1 if the instance takes traffic", ["instance"], registry=r
+        )
+        self.cache_hit = Gauge(
+            "kvgate_cache_hit_ratio",
+            "Share of prompt tokens placed on a cached prefix",
+            registry=r,
+        )
+        self.replications = Counter(
+            "kvgate_replication_commands",
+            "Replication commands by reason and state",
+            ["reason", "state"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvgate_upstream_errors", "Engine leg failures", ["instance"], registry=r
+        )
+        self.retries = Counter("kvgate_retries", "Requests retried on another instance", registry=r)
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+
+    def placed(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._prompt_tokens += prompt_tokens
+        self._cached_tokens += cached_tokens
+        if self._prompt_tokens:
+            self.cache_hit.set(self._cached_tokens / self._prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,335 @@
+"""The proxy hot path, in plain ASGI: parse -> decide -> reject at once or forward and stream.
+
+Plain ASGI (not a Starlette endpoint) because this path runs for every request and token; the
+measurements in docs/ show Starlette's StreamingResponse costing ~2x the CPU of raw ASGI. The
+body is streamed through chunk by chunk as it arrives, never buffered. What happens is
+reported back to the Conductor: dispatched, prefill done, first token, tokens, finished,
+failed (including a client that went away, which also aborts the engine legs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from backends.drivers import ForwardPlan, UpstreamError, UpstreamResponse
+from gateway.learning import DecisionRecord
+from gateway.openai import BadRequest, ParsedRequest, error_body, parse_request
+from gateway.runtime import Gateway
+from routing.types import Decision, Rejection
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_JSON = (b"content-type", b"application/json")
+_TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ConnectionResetError
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"request body larger than {limit} bytes", status=413)
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]):
+    await send({"type": "http.response.start", "status": status, "headers": [_JSON, *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def rejection_response(rej: Rejection, request_id: str) -> tuple[int, bytes, list]:
+    headers = [
+        (b"retry-after", str(max(1, math.ceil(rej.retry_after_s))).encode()),
+        (b"x-request-id", request_id.encode()),
+        (b"x-kvgate-reject-reason", rej.reason.value.encode()),
+    ]
+    if rej.predicted_ttft_s is not None:
+        ttft_ms = f"{rej.predicted_ttft_s * 1e3:.1f}".encode()
+        headers.append((b"x-kvgate-predicted-ttft-ms", ttft_ms))
+    if rej.predicted_tbt_s is not None:
+        headers.append((b"x-kvgate-predicted-tbt-ms", f"{rej.predicted_tbt_s * 1e3:.2f}".encode()))
+    kind = "service_unavailable" if rej.no_capacity else "rate_limit_exceeded"
+    return rej.http_status, error_body(rej.message, kind, code=rej.reason.value), headers
+
+
+def _decision_headers(d: Decision, request_id: str) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"x-request-id", request_id.encode()),
+        (b"x-kvgate-prefill", d.prefill.encode()),
+        (b"x-kvgate-decode", d.decode.encode()),
+        (b"x-kvgate-predicted-ttft-ms", f"{d.predicted_ttft_s * 1e3:.1f}".encode()),
+        (b"x-kvgate-predicted-tbt-ms", f"{d.predicted_tbt_s * 1e3:.2f}".encode()),
+    ]
+
+
+class CompletionHandler:
+    """Handles POST /v1/completions and /v1/chat/completions for one gateway."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gw = self.gw
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            raw = await _read_body(receive, gw.settings.server.max_body_bytes)
+            parsed = parse_request(
+                scope["path"],
+                raw,
+                headers,
+                request_id,
+                gw.clock(),
+                settings=gw.settings,
+                tokenizer=gw.tokenizer,
+                hasher=gw.hasher,
+            )
+        except ConnectionResetError:
+            return
+        except BadRequest as exc:
+            gw.metrics.requests.labels("bad_request").inc()
+            body = error_body(exc.message, "invalid_request_error", param=exc.param)
+            await send_json(send, exc.status, body, [(b"x-request-id", request_id.encode())])
+            return
+        tracer = gw.tracing.tracer
+        with tracer.start_as_current_span(
+            "kvgate.request", context=gw.tracing.extract(headers)
+        ) as span:
+            span.set_attribute("kvgate.request_id", request_id)
+            await self._serve(parsed, scope["path"], receive, send)
+
+    async def _decide(self, parsed: ParsedRequest) -> Decision | Rejection:
+        gw = self.gw
+        with gw.tracing.tracer.start_as_current_span("kvgate.decision"):
+            t0 = time.perf_counter()
+            now = gw.clock()
+            out = gw.conductor.schedule(parsed.info, now)
+            if isinstance(out, Decision):
+                gw.conductor.dispatched(out, parsed.info, now)
+            gw.metrics.decision.observe(time.perf_counter() - t0)
+        return out
+
+    async def _serve(self, parsed: ParsedRequest, path: str, receive: Receive, send: Send):
+        gw = self.gw
+        rid = parsed.info.request_id
+        retries = gw.settings.server.max_retries
+        while True:
+            decision = await self._decide(parsed)
+            if isinstance(decision, Rejection):
+                gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
+                gw.metrics.requests.labels("rejected").inc()
+                await send_json(send, *rejection_response(decision, rid))
+                return
+            gw.execute_replications(decision.replications)
+            gw.metrics.placed(decision.prompt_tokens, decision.cached_tokens)
+            record = DecisionRecord(
+                rid,
+                gw.clock(),
+                decision.prefill,
+                decision.decode,
+                decision.priority,
+                decision.reason,
+                decision.prompt_tokens,
+                decision.cached_tokens,
+                decision.predicted_ttft_s,
+                decision.predicted_tbt_s,
+            )
+            gw.learner.record(record)
+            try:
+                upstream = await self._open(parsed, path, decision)
+                break
+            except UpstreamError as exc:
+                gw.conductor.failed(rid, gw.clock())
+                gw.leg_failed(exc.instance_id)
+                if exc.status is None and retries > 0:  # nothing reached the client yet
+                    retries -= 1
+                    gw.metrics.retries.inc()
+                    continue
+                record.outcome = "failed"
+                gw.metrics.requests.labels("upstream_error").inc()
+                await self._send_upstream_error(send, exc, rid)
+                return
+        await self._relay(parsed, upstream, decision, record, receive, send)
+
+    async def _open(self, parsed: ParsedRequest, path: str, d: Decision) -> UpstreamResponse:
+        gw = self.gw
+        headers = {"X-Request-Id": parsed.info.request_id}
+        gw.tracing.inject(headers)
+        prefill_done_at: list[float] = []
+
+        def prefill_done() -> None:
+            now = gw.clock()
+            prefill_done_at.append(now)
+            gw.conductor.prefill_done(parsed.info.request_id, now)
+
+        plan = ForwardPlan(
+            request_id=parsed.info.request_id,
+            path=path,
+            body=parsed.body,
+            prefill=gw.targets[d.prefill],
+            decode=gw.targets[d.decode],
+            headers=headers,
+            timeout_s=max(60.0, 4 * d.slo_ttft_s),
+            on_prefill_done=prefill_done,
+        )
+        with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
+            upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
+        gw.leg_succeeded(d.prefill)
+        return upstream
+
+    async def _send_upstream_error(self, send: Send, exc: UpstreamError, rid: str) -> None:
+        if exc.status is not None and exc.body:
+            # An engine's own error (e.g. 400 for a bad parameter, 503 from a full decode
+            # instance) is passed through as the engine said it.
+            await send_json(send, exc.status, exc.body, [(b"x-request-id", rid.encode())])
+            return
+        body = error_body(f"engine {exc.instance_id} failed: {exc}", "upstream_error")
+        await send_json(send, 502, body, [(b"x-request-id", rid.encode())])
+
+    async def _relay(
+        self,
+        parsed: ParsedRequest,
+        upstream: UpstreamResponse,
+        d: Decision,
+        record: DecisionRecord,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        gw = self.gw
+        rid = parsed.info.request_id
+        start = gw.clock()
+        disconnected = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+            upstream.close()  # aborts the engine legs
+
+        watcher = asyncio.create_task(watch())
+        tokens = 0
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": upstream.status,
+                    "headers": [
+                        (b"content-type", upstream.content_type.encode()),
+                        *_decision_headers(d, rid),
+                    ],
+                }
+            )
+            if parsed.stream:
+                tokens = await self._stream(upstream, record, send, start)
+            else:
+                body = await upstream.read()
+                now = gw.clock()
+                record.observed_ttft_s = gw.conductor.first_token(rid, now)
+                tokens = _usage_tokens(body)
+                await send({"type": "http.response.body", "body": body})
+            upstream.close()
+            now = gw.clock()
+            gw.conductor.finished(rid, now, output_tokens=tokens or None)
+            record.outcome = "completed"
+            gw.metrics.requests.labels("completed").inc()
+            self._learn(parsed, d, record, now)
+        except (UpstreamError, OSError, asyncio.CancelledError) as exc:
+            upstream.close()
+            gw.conductor.failed(rid, gw.clock())
+            if disconnected.is_set():
+                record.outcome = "client_disconnected"
+                gw.metrics.requests.labels("client_disconnected").inc()
+            else:
+                record.outcome = "failed"
+                gw.metrics.requests.labels("upstream_error").inc()
+                if isinstance(exc, UpstreamError):
+                    gw.leg_failed(exc.instance_id)
+                    await _send_stream_error(send, parsed.stream, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            watcher.cancel()
+
+    async def _stream(
+        self, upstream: UpstreamResponse, record: DecisionRecord, send: Send, start: float
+    ) -> int:
+        gw = self.gw
+        rid = record.request_id
+        clock = gw.clock
+        conductor = gw.conductor
+        tokens = unreported = 0
+        last = first = None
+        async for chunk in upstream.chunks():
+            now = clock()
+            if first is None:
+                first = now
+                record.observed_ttft_s = conductor.first_token(rid, now)
+                if record.observed_ttft_s is not None:
+                    gw.metrics.ttft.observe(record.observed_ttft_s)
+            elif last is not None:
+                gw.metrics.tbt.observe(now - last)
+            last = now
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            n = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+            tokens += n
+            unreported += n
+            if unreported >= _TOKEN_FLUSH:
+                conductor.tokens(rid, unreported, now)
+                unreported = 0
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if first is not None and last is not None and tokens > 1:
+            record.observed_tbt_s = (last - first) / (tokens - 1)
+        return tokens
+
+    def _learn(self, parsed: ParsedRequest, d: Decision, rec: DecisionRecord, now: float):
+        gw = self.gw
+        if rec.observed_ttft_s is not None and d.predicted_ttft_s > 0:
+            gw.metrics.ttft_error.observe(
+                (rec.observed_ttft_s - d.predicted_ttft_s) / d.predicted_ttft_s
+            )
+        # With an empty queue and no pull, the observed TTFT is essentially the prefill.
+        if (
+            rec.observed_ttft_s is not None
+            and d.predicted_queue_s == 0.0
+            and d.predicted_transfer_s == 0.0
+        ):
+            spec = gw.specs.get(d.prefill)
+            gw.learner.observe_prefill(
+                spec.profile if spec else None,
+                d.prompt_tokens - d.cached_tokens,
+                d.cached_tokens,
+                rec.observed_ttft_s,
+            )
+
+
+def _usage_tokens(body: bytes) -> int:
+    try:
+        usage = json.loads(body).get("usage") or {}
+        return int(usage.get("completion_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+async def _send_stream_error(send: Send, stream: bool, exc: UpstreamError) -> None:
+    """The response has started: end it with an error the client can see."""
+    if stream:
+        msg = error_body(f"engine {exc.instance_id} failed mid-stream", "upstream_error")
+        payload = b"data: " + msg + b"\n\ndata: [DONE]\n\n"
+    else:
+        payload = error_body(f"engine {exc.instance_id} failed", "upstream_error")
+    with contextlib.suppress(OSError):
+        await send({"type": "http.response.body", "body": payload, "more_body": False})

@@ -1,0 +1,289 @@
+"""CircuitBreaker state machine (pure, time passed in) and HealthChecker against a real
+aiohttp server on 127.0.0.1 that can be switched between healthy and unhealthy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer, unused_port
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backends.health import BreakerConfig, BreakerState, CircuitBreaker, HealthChecker
+
+T = TypeVar("T")
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout=15))
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+# --- CircuitBreaker ---------------------------------------------------------------------
+
+
+def test_defaults_are_the_sglang_gateway_numbers() -> None:
+    assert BreakerConfig() == BreakerConfig(
+        failure_threshold=10, window_s=120.0, open_s=60.0, success_threshold=3
+    )
+    fast = BreakerConfig.fast()
+    assert fast.open_s <= 0.1 and fast.failure_threshold <= 3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"failure_threshold": 0}, {"success_threshold": 0}, {"window_s": 0}, {"open_s": -1}],
+)
+def test_invalid_config_is_rejected(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        BreakerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_trips_after_threshold_failures_within_the_window() -> None:
+    cb = CircuitBreaker(BreakerConfig(failure_threshold=3, window_s=10, open_s=5))
+    cb.record_failure(0.0)
+    cb.record_success(1.0)  # successes do not forgive failures inside the window
+    cb.record_failure(2.0)
+    assert cb.state is BreakerState.CLOSED and cb.allow(2.0)
+    cb.record_failure(9.0)
+    assert cb.state is BreakerState.OPEN and not cb.allow(9.0) and cb.opened_count == 1
+
+
+def test_failures_older_than_the_window_do_not_count() -> None:
+    cb = CircuitBreaker(BreakerConfig(failure_threshold=3, window_s=10, open_s=5))
+    for t in (0.0, 6.0, 12.0, 18.0):  # never 3 inside any 10 s
+        cb.record_failure(t)
+    assert cb.state is BreakerState.CLOSED
+    cb.record_failure(19.0)
+    assert cb.state is BreakerState.OPEN
+
+
+def test_open_then_half_open_then_closed() -> None:
+    cfg = BreakerConfig(failure_threshold=2, window_s=10, open_s=5, success_threshold=3)
+    cb = CircuitBreaker(cfg)
+    cb.record_failure(0.0)
+    cb.record_failure(1.0)
+    assert not cb.allow(5.9)
+    cb.record_failure(5.0)  # straggler while open: does not push the reopening back
+    assert cb.state_at(6.0) is BreakerState.HALF_OPEN and cb.allow(6.0)
+    cb.record_success(6.1)
+    cb.record_success(6.2)
+    assert cb.state is BreakerState.HALF_OPEN
+    cb.record_success(6.3)
+    assert cb.state is BreakerState.CLOSED
+    cb.record_failure(6.4)  # the old failures were cleared on closing
+    assert cb.state is BreakerState.CLOSED
+
+
+def test_any_failure_in_half_open_reopens() -> None:
+    cb = CircuitBreaker(BreakerConfig(failure_threshold=1, window_s=10, open_s=5))
+    cb.record_failure(0.0)
+    cb.record_success(5.0)  # the open timeout passed: counts as a trial success
+    assert cb.state is BreakerState.HALF_OPEN
+    cb.record_failure(5.5)
+    assert cb.state is BreakerState.OPEN and not cb.allow(10.4) and cb.allow(10.5)
+    assert cb.opened_count == 2
+
+
+def test_fast_preset_recovers_quickly() -> None:
+    cb = CircuitBreaker(BreakerConfig.fast())
+    for i in range(3):
+        cb.record_failure(i * 0.01)
+    assert not cb.allow(0.05) and cb.allow(0.13)
+    cb.record_success(0.14)
+    cb.record_success(0.15)
+    assert cb.state is BreakerState.CLOSED
+
+
+@given(st.lists(st.tuples(st.floats(0, 5), st.booleans()), max_size=60))
+def test_open_is_the_only_state_that_refuses(steps: list[tuple[float, bool]]) -> None:
+    cb = CircuitBreaker(BreakerConfig(failure_threshold=3, window_s=2, open_s=1))
+    now = 0.0
+    for dt, ok in steps:
+        now += dt
+        assert cb.allow(now) == (cb.state is not BreakerState.OPEN)
+        (cb.record_success if ok else cb.record_failure)(now)
+
+
+# --- HealthChecker ------------------------------------------------------------------------
+
+
+@dataclass
+class Engines:
+    base: str
+    healthy: dict[str, bool]
+    release: asyncio.Event
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def url(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+
+@asynccontextmanager
+async def engines(*names: str) -> AsyncIterator[Engines]:
+    """/{name}/health answers 200 or 503 per ``healthy[name]``; /hang/health never answers."""
+    state = {n: True for n in names}
+    release = asyncio.Event()
+    calls: dict[str, int] = {}
+
+    async def health(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        calls[name] = calls.get(name, 0) + 1
+        if name == "hang":
+            with suppress(TimeoutError):
+                await asyncio.wait_for(release.wait(), timeout=5)
+        return web.Response(status=200 if state.get(name, True) else 503)
+
+    app = web.Application()
+    app.router.add_get("/{name}/health", health)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield Engines(str(server.make_url("")).rstrip("/"), state, release, calls)
+    finally:
+        release.set()
+        await server.close()
+
+
+def test_transitions_need_consecutive_results_after_the_first() -> None:
+    async def main() -> None:
+        changes: list[tuple[str, bool]] = []
+        async with engines("a") as e, aiohttp.ClientSession() as session:
+            hc = HealthChecker(
+                session,
+                {"a": e.url("a")},
+                interval_s=0.05,
+                timeout_s=0.5,
+                on_change=lambda i, ok: changes.append((i, ok)),
+                clock=lambda: 7.0,
+            )
+            assert hc.healthy("a") is None
+            assert await hc.check_once() == {"a": True}
+            assert changes == [("a", True)]  # the first answer decides an unknown target
+            e.healthy["a"] = False
+            for _ in range(2):
+                assert await hc.check_once() == {"a": True}  # 1 and 2 failures: still in
+            assert await hc.check_once() == {"a": False}
+            assert changes[-1] == ("a", False)
+            assert hc.status["a"].last_error == "HTTP 503" and hc.status["a"].last_checked_s == 7.0
+            e.healthy["a"] = True
+            assert await hc.check_once() == {"a": False}
+            e.healthy["a"] = False  # a single success in between resets the count
+            await hc.check_once()
+            e.healthy["a"] = True
+            await hc.check_once()
+            assert await hc.check_once() == {"a": True}
+            assert changes == [("a", True), ("a", False), ("a", True)]
+
+    arun(main())
+
+
+def test_timeouts_and_refused_connections_are_failures_probed_concurrently() -> None:
+    async def main() -> None:
+        changes: list[tuple[str, bool]] = []
+        async with engines("ok") as e, aiohttp.ClientSession() as session:
+            targets = {
+                "ok": e.url("ok"),
+                "hang": e.url("hang"),
+                "refused": f"http://127.0.0.1:{unused_port()}",
+            }
+            hc = HealthChecker(
+                session,
+                targets,
+                interval_s=1.0,
+                timeout_s=0.2,
+                on_change=lambda i, ok: changes.append((i, ok)),
+                clock=lambda: 0.0,
+            )
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert await hc.check_once() == {"ok": True, "hang": False, "refused": False}
+            assert loop.time() - started < 1.0  # one timeout for the round, not one per target
+            assert sorted(changes) == [("hang", False), ("ok", True), ("refused", False)]
+            assert hc.status["hang"].last_error == "timeout"
+            assert (hc.status["refused"].last_error or "").startswith("ClientConnector")
+
+    arun(main())
+
+
+def test_run_loop_and_live_target_changes() -> None:
+    async def main() -> None:
+        changes: list[tuple[str, bool]] = []
+        stop = asyncio.Event()
+
+        def on_change(instance_id: str, ok: bool) -> None:
+            changes.append((instance_id, ok))
+            if (instance_id, ok) == ("b", False):
+                stop.set()
+            if instance_id == "a":
+                raise RuntimeError("consumer bug")  # must not stop the checker
+
+        async with engines("a", "b") as e, aiohttp.ClientSession() as session:
+            hc = HealthChecker(
+                session,
+                {"a": e.url("a")},
+                interval_s=0.02,
+                timeout_s=0.5,
+                unhealthy_after=2,
+                on_change=on_change,
+                clock=lambda: 0.0,
+            )
+            task = asyncio.create_task(hc.run(stop))
+            await _until(lambda: bool(changes))
+            hc.set_targets({"b": e.url("b")})  # a removed, b added while running
+            assert hc.healthy("a") is None
+            await _until(lambda: ("b", True) in changes)
+            e.healthy["b"] = False
+            await asyncio.wait_for(task, timeout=3)
+            assert changes[0] == ("a", True)
+            assert changes[-2:] == [("b", True), ("b", False)]
+            assert e.calls["b"] >= 3
+
+    arun(main())
+
+
+def test_mark_unhealthy_requires_consecutive_successes_to_come_back() -> None:
+    async def run() -> list[tuple[str, bool]]:
+        async def ok(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health", ok)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        changes: list[tuple[str, bool]] = []
+        async with aiohttp.ClientSession() as session:
+            hc = HealthChecker(
+                session,
+                {"a": str(server.make_url("/")).rstrip("/")},
+                interval_s=0.05,
+                timeout_s=1.0,
+                healthy_after=2,
+                on_change=lambda i, h: changes.append((i, h)),
+                clock=lambda: 0.0,
+            )
+            await hc.check_once()
+            hc.mark_unhealthy("a")
+            assert hc.healthy("a") is False
+            await hc.check_once()
+            assert hc.healthy("a") is False  # one success is not enough
+            await hc.check_once()
+            assert hc.healthy("a") is True
+        await server.close()
+        return changes
+
+    assert asyncio.run(run())[-1] == ("a", True)
