@@ -14,6 +14,7 @@ from typing import Any
 
 from config.settings import Settings
 from routing.hashing import BlockHasher
+from routing.prompt import PromptError, chat_prompt_text
 from routing.tokenizer import Tokenizer
 from routing.types import RequestInfo
 
@@ -33,34 +34,12 @@ def error_body(message: str, type_: str, *, param: str | None = None, code: str 
     ).encode()
 
 
-def chat_prompt_text(messages: Any) -> str:
-    """The text a chat request's KV prefix is made of: role-tagged message contents.
-
-    Engines apply their chat template; the gateway only needs a deterministic rendering in
-    which a shared system prompt gives a shared prefix. The emulator uses the same function.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty array", "messages")
-    parts = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
-        content = msg.get("content", "")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise BadRequest(
-                f"messages[{i}].content must be a string or an array", f"messages[{i}].content"
-            )
-        parts.append(f"<|{msg.get('role', 'user')}|>{content}")
-    return "".join(parts)
-
-
 def prompt_tokens(path: str, body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
     if path == CHAT:
-        return tokenizer.encode(chat_prompt_text(body.get("messages")))
+        try:
+            return tokenizer.encode(chat_prompt_text(body.get("messages")))
+        except PromptError as exc:
+            raise BadRequest(str(exc), exc.param) from None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

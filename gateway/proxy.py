@@ -22,6 +22,7 @@ from backends.drivers import ForwardPlan, UpstreamError, UpstreamResponse
 from gateway.learning import DecisionRecord
 from gateway.openai import BadRequest, ParsedRequest, error_body, parse_request
 from gateway.runtime import Gateway
+from routing.prompt import count_stream_tokens
 from routing.types import Decision, Rejection
 
 Scope = dict[str, Any]
@@ -284,7 +285,7 @@ class CompletionHandler:
                 gw.metrics.tbt.observe(now - last)
             last = now
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            n = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+            n = count_stream_tokens(chunk)
             tokens += n
             unreported += n
             if unreported >= _TOKEN_FLUSH:

@@ -1,0 +1,128 @@
+"""`kvgate emulate`: run one emulated vLLM / SGLang instance until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from config.settings import Protocol, Role
+from predictors.profiles import PROFILES
+from replay.emulator.config import EmulatorConfig
+from replay.emulator.server import start_emulator
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
+    parser.add_argument(
+        "--protocol",
+        choices=[Protocol.VLLM.value, Protocol.SGLANG.value],
+        default=Protocol.VLLM.value,
+        help="P/D protocol and metric names to speak (default vllm)",
+    )
+    parser.add_argument(
+        "--profile",
+        default="llama3-8b-h100-tp1",
+        choices=sorted(PROFILES),
+        metavar="NAME",
+        help="calibrated engine profile (default llama3-8b-h100-tp1)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per model second: 1 = real speed, 0.05 = 20x faster",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument(
+        "--kv-events-port", type=int, default=0, help="ZMQ PUB port for KV events (0 = off)"
+    )
+    parser.add_argument("--kv-events-format", choices=["array", "map"], default="array")
+    parser.add_argument(
+        "--link-gbps", type=float, default=200.0, help="KV transfer link bandwidth (Gbit/s)"
+    )
+    parser.add_argument(
+        "--decode-tbt-limit-ms",
+        type=float,
+        default=None,
+        help="refuse decodes whose step time would exceed this (503); default off",
+    )
+    parser.add_argument("--model", default=None, help="served model name (default: profile)")
+    parser.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=None,
+        help="also serve the SGLang bootstrap endpoint on this port",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    return EmulatorConfig(
+        role=Role(args.role),
+        protocol=Protocol(args.protocol),
+        profile=args.profile,
+        host=args.host,
+        port=args.port,
+        time_scale=args.time_scale,
+        block_size=args.block_size,
+        kv_events_port=args.kv_events_port or None,  # the CLI's 0 means off
+        kv_events_format=args.kv_events_format,
+        link_gbps=args.link_gbps,
+        decode_tbt_limit_ms=args.decode_tbt_limit_ms,
+        model=args.model,
+        bootstrap_port=args.bootstrap_port,
+    )
+
+
+async def _run(config: EmulatorConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # not on Windows
+            loop.add_signal_handler(sig, stop.set)
+    emulator = await start_emulator(config)
+    extra = ""
+    if emulator.kv_events_endpoint:
+        extra += f", KV events {emulator.kv_events_endpoint} ({config.kv_events_format})"
+    if emulator.bootstrap_port is not None:
+        extra += f", bootstrap port {emulator.bootstrap_port}"
+    log.info(
+        "kvgate emulator %s (%s %s, profile %s, time scale %g) listening on %s%s",
+        config.served_model,
+        config.protocol.value,
+        config.role.value,
+        config.profile,
+        config.time_scale,
+        emulator.url,
+        extra,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await emulator.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except (ValueError, KeyError) as exc:
+        print(f"kvgate emulate: {exc}", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(_run(config))
+    except OSError as exc:  # port in use, bad host
+        print(f"kvgate emulate: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,284 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: one request from arrival to last token.
+
+Which leg a request is comes from the request itself:
+- vLLM protocol, ``kv_transfer_params.do_remote_decode`` -> prefill leg: prefill, one token,
+  pin the KV, answer with the ``kv_transfer_params`` the decode needs;
+- vLLM protocol, ``kv_transfer_params.do_remote_prefill`` -> decode leg: pull the KV from the
+  prefill named in them, then decode;
+- SGLang protocol with ``bootstrap_room`` -> prefill leg on a prefill instance (registers the
+  room), decode leg on a decode instance (waits for the room, then the transfer);
+- anything else -> colocated serving (prefill then decode here), on any role, as vLLM does.
+
+A decode leg produces ``max_tokens`` tokens like the real engines: the first (made by the
+prefill, carried with the KV) as soon as the KV lands, the other ``max_tokens - 1`` by decode
+steps. Errors found before the response starts get a status code (400, 502, 503, 504);
+the SSE headers are sent only once the request is admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from enum import Enum
+from typing import Any
+
+from aiohttp import web
+
+from config.settings import Protocol, Role
+from replay.emulator.openai_api import (
+    ParsedRequest,
+    RequestError,
+    ResponseShaper,
+    error_body,
+    parse_request,
+    usage,
+)
+from replay.emulator.pd import PinnedKV, pull_kv, wait_room
+from replay.emulator.runtime import Kind, Refused, RequestStream
+from replay.emulator.state import EmulatorState
+
+STATE_KEY: web.AppKey[EmulatorState] = web.AppKey("emulator_state", EmulatorState)
+
+
+class Leg(Enum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def choose_leg(state: EmulatorState, req: ParsedRequest) -> Leg:
+    cfg = state.config
+    if cfg.protocol is Protocol.VLLM and req.kv_transfer_params:
+        if req.kv_transfer_params.get("do_remote_decode"):
+            return Leg.PREFILL
+        if req.kv_transfer_params.get("do_remote_prefill"):
+            return Leg.DECODE
+    if cfg.protocol is Protocol.SGLANG and req.bootstrap is not None:
+        if cfg.role is Role.PREFILL:
+            return Leg.PREFILL
+        if cfg.role is Role.DECODE:
+            return Leg.DECODE
+    return Leg.COLOCATED
+
+
+def error_response(exc: RequestError, headers: dict[str, str]) -> web.Response:
+    return web.json_response(
+        error_body(exc.status, exc.message, exc.param), status=exc.status, headers=headers
+    )
+
+
+class _Run:
+    """One request inside this instance: admission, then its tokens as they are made."""
+
+    def __init__(self, state: EmulatorState, req: ParsedRequest, ext_id: str, leg: Leg) -> None:
+        self.state, self.req, self.ext_id, self.leg = state, req, ext_id, leg
+        self.iid = state.runtime.unique_id(ext_id)
+        self.prompt_tokens = len(req.token_ids)
+        self.target = 1 if leg is Leg.PREFILL else req.max_tokens  # tokens the client gets
+        self.cached_tokens = 0
+        self.generated = 0
+        self.stream: RequestStream | None = None
+        self.carried_first = False  # decode leg: the prefill's token, sent when the KV lands
+        self.kv_params: dict[str, Any] | None = None  # vLLM prefill leg's answer
+        self.finished = False
+        self.arrival = asyncio.get_running_loop().time()
+        self._last: float | None = None
+
+    async def admit(self) -> None:
+        st, req = self.state, self.req
+        if self.prompt_tokens + self.target > st.max_model_len:
+            raise RequestError(
+                400,
+                f"prompt ({self.prompt_tokens} tokens) + max_tokens ({self.target}) exceeds "
+                f"the maximum model length {st.max_model_len}",
+                "max_tokens",
+            )
+        if self.leg is not Leg.DECODE:
+            hashes = st.hasher.hash_tokens(req.token_ids)
+            self.stream = self._submit(
+                lambda: st.runtime.submit_prefill(
+                    self.iid, hashes, self.prompt_tokens, self.target, req.token_ids
+                )
+            )
+            return
+        assert st.session is not None
+        if req.bootstrap is not None and st.config.protocol is Protocol.SGLANG:
+            entry, source = await wait_room(
+                st.session, req.bootstrap, st.config.bootstrap_timeout_s
+            )
+            await st.transfers.transfer(source, st.config.engine_id, self.prompt_tokens)
+        else:
+            assert req.kv_transfer_params is not None
+            entry = await pull_kv(st.session, req.kv_transfer_params, st.config.engine_id)
+        # Report the prefill's prefix-cache hit: the client's only view of reuse in SGLang.
+        self.cached_tokens = entry.cached_tokens
+        self.carried_first = True
+        if self.target > 1:
+            self.stream = self._submit(
+                lambda: st.runtime.submit_decode(self.iid, self.prompt_tokens, self.target - 1)
+            )
+
+    def _submit(self, submit: Callable[[], RequestStream]) -> RequestStream:
+        try:
+            stream: RequestStream = submit()
+        except Refused as exc:  # never admitted: not an engine request, so no metrics
+            raise RequestError(503, _refusal_message(self.state, exc.reason)) from None
+        return stream
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """Token counts as they are made; ends when the request is done."""
+        if self.carried_first:
+            self._count(1)
+            yield 1
+        while self.stream is not None:
+            update = await self.stream.next()
+            if update.kind is Kind.PREFILLED:
+                self._prefilled(update.cached_tokens)
+            if update.tokens:
+                self._count(update.tokens)
+                yield update.tokens
+            if update.kind is Kind.FAILED:
+                raise RequestError(503, "the engine emulator is shutting down")
+            if update.kind is Kind.FINISHED:
+                break
+        self.finished = True
+        self.state.metrics.finished("length")
+
+    def _prefilled(self, cached: int) -> None:
+        st = self.state
+        self.cached_tokens = cached
+        st.metrics.prefilled(self.prompt_tokens, cached)
+        if self.leg is not Leg.PREFILL:
+            return
+        entry = PinnedKV(self.ext_id, self.prompt_tokens, cached)
+        if st.config.protocol is Protocol.SGLANG and self.req.bootstrap is not None:
+            st.rooms.register(self.req.bootstrap.room, entry)
+            return
+        entry.block_ids = st.block_ids(self.prompt_tokens)
+        st.pinned.pin(entry)
+        self.kv_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": entry.block_ids,
+            "remote_engine_id": st.config.engine_id,
+            "remote_request_id": self.ext_id,
+            "remote_host": st.config.advertised_host,
+            "remote_port": st.port,
+            "tp_size": 1,
+        }
+
+    def _count(self, n: int) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._last is None:
+            self.state.metrics.first_token(now - self.arrival)
+            self.state.metrics.tokens(n, None)
+        else:
+            self.state.metrics.tokens(n, now - self._last)
+        self._last = now
+        self.generated += n
+
+    def close(self) -> None:
+        """Always called: an unfinished request was abandoned by its client."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.stream is not None or self.carried_first:  # it reached the engine
+            self.state.runtime.abort(self.iid)
+            self.state.metrics.finished("abort")
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.generated, self.cached_tokens)
+
+
+def _refusal_message(state: EmulatorState, reason: str) -> str:
+    if reason == "tbt_slo":
+        limit = state.config.decode_tbt_limit_ms
+        return f"decode instance refused the request: its step time would exceed {limit} ms"
+    if reason == "kv_capacity":
+        return "decode instance refused the request: not enough KV cache capacity"
+    return f"the engine refused the request: {reason}"
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _whole(run: _Run, shaper: ResponseShaper, headers: dict[str, str]) -> web.Response:
+    async for _ in run.tokens():
+        pass
+    body = shaper.full(run.generated, "length", run.usage())
+    if run.state.config.protocol is Protocol.VLLM:
+        body["kv_transfer_params"] = run.kv_params
+    return web.json_response(body, headers=headers)
+
+
+async def _stream(
+    request: web.Request, run: _Run, shaper: ResponseShaper, headers: dict[str, str]
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    try:
+        return await _write_tokens(resp, run, shaper)
+    except ConnectionResetError:
+        return resp  # the client left; serve()'s cleanup aborts the request
+
+
+async def _write_tokens(
+    resp: web.StreamResponse, run: _Run, shaper: ResponseShaper
+) -> web.StreamResponse:
+    index = 0
+    try:
+        async for n in run.tokens():
+            for _ in range(n):
+                finish = "length" if index == run.target - 1 else None
+                await resp.write(_sse(shaper.chunk(index, finish)))
+                index += 1
+        if run.req.include_usage:
+            await resp.write(_sse(shaper.usage_chunk(run.usage())))
+    except RequestError as exc:  # too late for a status code: an error event, as vLLM does
+        await resp.write(_sse(error_body(exc.status, exc.message)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    ext_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": ext_id}
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(RequestError(400, "the request body is not valid JSON"), headers)
+    try:
+        req = parse_request(
+            body,
+            chat=chat,
+            tokenizer=state.tokenizer,
+            default_max_tokens=state.config.default_max_tokens,
+        )
+    except RequestError as exc:
+        return error_response(exc, headers)
+    run = _Run(state, req, ext_id, choose_leg(state, req))
+    shaper = ResponseShaper(chat, ext_id, req.model or state.config.served_model)
+    try:
+        await run.admit()
+        if req.stream:
+            return await _stream(request, run, shaper, headers)
+        return await _whole(run, shaper, headers)
+    except RequestError as exc:  # only before the response started (_stream handles after)
+        return error_response(exc, headers)
+    finally:
+        run.close()  # unfinished here = the client left: take it out of the engine
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, chat=True)

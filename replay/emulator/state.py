@@ -1,0 +1,116 @@
+"""Everything one emulated instance holds: engine model, runtime, P/D books, metrics, events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+from config.settings import Role
+from replay.emulator.config import EmulatorConfig
+from replay.emulator.kv_publisher import KVEventPublisher
+from replay.emulator.metrics import EmulatorMetrics, EngineLoad
+from replay.emulator.pd import BootstrapRooms, PinnedStore, TransferModel
+from replay.emulator.runtime import EngineRuntime
+from replay.engine.engine import Engine
+from replay.engine.network import Network
+from replay.engine.prefix_cache import PrefixCache
+from replay.engine.timing import StepTiming
+from routing.hashing import BlockHasher
+from routing.tokenizer import ApproxTokenizer
+from routing.types import AllBlocksCleared
+
+
+@dataclass(eq=False, slots=True)
+class EmulatorState:
+    config: EmulatorConfig
+    engine: Engine
+    runtime: EngineRuntime
+    metrics: EmulatorMetrics
+    tokenizer: ApproxTokenizer
+    hasher: BlockHasher
+    pinned: PinnedStore
+    rooms: BootstrapRooms
+    transfers: TransferModel
+    publisher: KVEventPublisher | None = None
+    session: aiohttp.ClientSession | None = None  # outbound: KV pulls and bootstrap polls
+    port: int = 0
+    _next_block_id: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.kv_capacity_tokens
+
+    def block_ids(self, tokens: int) -> list[int]:
+        """Fresh 'physical' block ids for a pinned prompt (what NIXL's remote_block_ids are)."""
+        n = -(-tokens // self.config.block_size)
+        start = self._next_block_id
+        self._next_block_id += n
+        return list(range(start, start + n))
+
+    def load(self) -> EngineLoad:
+        engine = self.engine
+        # vLLM counts a request as running once it is scheduled, prefill chunks included.
+        started = [j for j in engine.queue if j.started_s is not None]
+        running = len(engine.running) + len(started)
+        waiting = len(engine.queue) - len(started) + len(engine.joining)
+        used = (
+            engine.reserved_tokens
+            + sum(j.prompt_tokens for j in started)
+            + self.pinned.tokens
+            + self.rooms.pinned_tokens
+        )
+        return EngineLoad(running, waiting, min(used / engine.kv_capacity_tokens, 1.0))
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (vLLM's /reset_prefix_cache) and tell subscribers."""
+        if self.engine.cache is not None:
+            self.engine.cache = PrefixCache(self.engine.cache.capacity_blocks)
+        if self.publisher is not None:
+            self.publisher.publish([AllBlocksCleared()])
+
+
+def build_state(config: EmulatorConfig) -> EmulatorState:
+    """The instance's model and books; nothing is bound or started yet."""
+    config.validate()
+    profile = config.engine_profile
+    timing = StepTiming.from_profile(profile, config.overhead_ms)
+    capacity = config.cache_capacity_tokens or profile.kv_capacity_tokens
+    chunk = config.chunk_tokens
+    if config.role is not Role.PREFILL:  # same defaults replay.fleet gives the simulator
+        chunk = chunk or profile.max_batched_tokens
+    tbt = config.decode_tbt_limit_ms / 1e3 if config.decode_tbt_limit_ms is not None else None
+    engine = Engine(
+        config.engine_id,
+        # Always BOTH: which leg a request is comes from the request (kv_transfer_params /
+        # bootstrap fields), not from the instance; BOTH makes the engine decode after its
+        # own prefill only when a request asks for more than one token (colocated serving).
+        Role.BOTH,
+        timing,
+        cache=PrefixCache(max(capacity // config.block_size, 1)),
+        max_batch=config.max_batch or profile.max_batch,
+        kv_capacity_tokens=profile.kv_capacity_tokens,
+        chunk_tokens=chunk,
+        decode_tbt_limit_s=tbt,
+        max_segment_steps=1,  # one event per step: tokens stream as they are made
+    )
+    runtime = EngineRuntime(
+        engine, config.time_scale, config.block_size, max_inflight=config.max_inflight
+    )
+    network = Network(config.link_bytes_per_s, config.link_latency_s)
+    return EmulatorState(
+        config=config,
+        engine=engine,
+        runtime=runtime,
+        metrics=EmulatorMetrics(
+            config.served_model,
+            sglang=config.protocol.value == "sglang",
+            block_size=config.block_size,
+            num_gpu_blocks=profile.kv_capacity_tokens // config.block_size,
+        ),
+        tokenizer=ApproxTokenizer(config.chars_per_token),
+        hasher=BlockHasher(config.block_size, config.hash_seed),
+        pinned=PinnedStore(config.pin_timeout_s),
+        rooms=BootstrapRooms(config.pin_timeout_s),
+        transfers=TransferModel(runtime, network, profile.kv_bytes_per_token),
+    )

@@ -1,0 +1,43 @@
+"""The text a chat request's KV prefix is made of, shared by the gateway and the emulator.
+
+Engines apply their own chat template; all the gateway needs is a rendering in which a longer
+conversation's text starts with a shorter one's (a shared system prompt gives a shared token
+prefix), and the emulator must render it the same way so cache views agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class PromptError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def chat_prompt_text(messages: Any) -> str:
+    """Message contents joined by newlines (text parts of multi-part contents)."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty array", "messages")
+    parts = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise PromptError(f"messages[{i}] must be an object", f"messages[{i}]")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            parts.append(content or "")
+        elif isinstance(content, list):
+            parts.append("".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping)))
+        else:
+            raise PromptError(
+                f"messages[{i}].content must be a string or an array", f"messages[{i}].content"
+            )
+    return "\n".join(parts)
+
+
+def count_stream_tokens(chunk: bytes) -> int:
+    """Generated-token events in a chunk of an OpenAI SSE stream: events with a non-empty
+    ``choices`` array (the usage-only event and ``[DONE]`` do not count)."""
+    return chunk.count(b'"choices":[{') + chunk.count(b'"choices": [{')
