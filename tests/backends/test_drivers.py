@@ -1,0 +1,202 @@
+"""Protocol drivers against a recording stub engine: the exact fields each leg receives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from backends.drivers import (
+    ColocatedDriver,
+    ForwardPlan,
+    SGLangDriver,
+    Target,
+    UpstreamError,
+    VLLMDriver,
+)
+
+KV_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [1, 2],
+    "remote_engine_id": "eng-1",
+    "remote_request_id": "rid-1",
+    "remote_host": "127.0.0.1",
+    "remote_port": 1234,
+    "tp_size": 1,
+}
+SSE = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":"b"}]}\n\ndata: [DONE]\n\n'
+
+
+class StubEngine:
+    """Records every request; answers as a P/D engine would."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.seen: list[tuple[str, Any, dict[str, Any]]] = []
+        self.decode_arrived = asyncio.Event()
+        self.fail_with: int | None = None
+        self.server: TestServer | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append((request.path, request.headers.copy(), body))
+        if self.fail_with:
+            return web.json_response({"error": {"message": "boom"}}, status=self.fail_with)
+        if self.role == "prefill":
+            if "bootstrap_room" in body:  # SGLang: the prefill waits for its decode partner
+                await asyncio.wait_for(self.partner.decode_arrived.wait(), 5)
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": KV_PARAMS})
+        self.decode_arrived.set()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(SSE)
+        await resp.write_eof()
+        return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        return str(self.server.make_url("")).rstrip("/")
+
+
+async def _pair():
+    p, d = StubEngine("prefill"), StubEngine("decode")
+    p.partner = d
+    return p, d, Target("p0", await p.start(), 8998), Target("d0", await d.start())
+
+
+def _plan(p: Target, d: Target, body: dict[str, Any]) -> ForwardPlan:
+    return ForwardPlan("rid-1", "/v1/completions", body, p, d, {"X-Request-Id": "rid-1"})
+
+
+ORIGINAL = {
+    "model": "m",
+    "prompt": "hi",
+    "max_tokens": 20,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "min_tokens": 2,
+}
+
+
+def test_vllm_legs_carry_exactly_the_nixl_fields() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        done = []
+        async with aiohttp.ClientSession() as s:
+            plan = _plan(pt, dt, ORIGINAL)
+            plan.on_prefill_done = lambda: done.append(True)
+            up = await VLLMDriver().open(s, plan)
+            body = b"".join([c async for c in up.chunks()])
+            up.close()
+        await p.server.close()
+        await d.server.close()
+        return p.seen, d.seen, body, done
+
+    pseen, dseen, body, done = asyncio.run(run())
+    ((path, pheaders, pbody),) = pseen
+    assert path == "/v1/completions"
+    assert pbody["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert pbody["stream"] is False and pbody["max_tokens"] == 1
+    assert "stream_options" not in pbody and "min_tokens" not in pbody
+    ((_, dheaders, dbody),) = dseen
+    assert dbody == {**ORIGINAL, "kv_transfer_params": KV_PARAMS}
+    assert pheaders["X-Request-Id"] == dheaders["X-Request-Id"] == "rid-1"
+    assert body == SSE and done == [True]
+
+
+def test_vllm_max_completion_tokens_is_also_one_on_prefill() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        async with aiohttp.ClientSession() as s:
+            up = await VLLMDriver().open(
+                s, _plan(pt, dt, {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 9})
+            )
+            await up.read()
+            up.close()
+        await p.server.close()
+        await d.server.close()
+        return p.seen[0][2]
+
+    pbody = asyncio.run(run())
+    assert pbody["max_tokens"] == 1 and pbody["max_completion_tokens"] == 1
+
+
+def test_sglang_sends_both_legs_at_once_with_one_bootstrap_room() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        async with aiohttp.ClientSession() as s:
+            up = await SGLangDriver().open(s, _plan(pt, dt, ORIGINAL))
+            body = b"".join([c async for c in up.chunks()])
+            up.close()
+        await p.server.close()
+        await d.server.close()
+        return p.seen, d.seen, body
+
+    pseen, dseen, body = asyncio.run(run())
+    pbody, dbody = pseen[0][2], dseen[0][2]
+    # The prefill waited for the decode leg to arrive: the legs were concurrent.
+    for b in (pbody, dbody):
+        assert b["bootstrap_host"] == "127.0.0.1" and b["bootstrap_port"] == 8998
+    assert pbody["bootstrap_room"] == dbody["bootstrap_room"]
+    assert 0 <= dbody["bootstrap_room"] < 2**63
+    assert dbody["stream"] is True and dbody["max_tokens"] == 20
+    assert pbody["stream"] is False
+    assert body == SSE
+
+
+def test_colocated_is_one_unchanged_leg() -> None:
+    async def run():
+        d = StubEngine("decode")
+        url = await d.start()
+        async with aiohttp.ClientSession() as s:
+            t = Target("c0", url)
+            up = await ColocatedDriver().open(s, _plan(t, t, ORIGINAL))
+            await up.read()
+            up.close()
+        await d.server.close()
+        return d.seen
+
+    (seen,) = asyncio.run(run())
+    assert seen[2] == ORIGINAL
+
+
+def test_engine_error_status_and_transport_error_are_distinguished() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        p.fail_with = 400
+        errors = []
+        async with aiohttp.ClientSession() as s:
+            for target in (pt, Target("gone", "http://127.0.0.1:9")):
+                try:
+                    await VLLMDriver().open(s, _plan(target, dt, ORIGINAL))
+                except UpstreamError as exc:
+                    errors.append(exc)
+        await p.server.close()
+        await d.server.close()
+        return errors, d.seen
+
+    errors, decode_seen = asyncio.run(run())
+    assert errors[0].status == 400 and b"boom" in errors[0].body
+    assert errors[1].status is None and errors[1].instance_id == "gone"
+    assert decode_seen == []  # a failed prefill never starts the decode leg
+    assert json.loads(errors[0].body)["error"]["message"] == "boom"
