@@ -63,6 +63,18 @@ def _emulate(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from replay.demo import main
+
+    return main(args)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from replay.loadgen import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate",
@@ -70,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    demo = sub.add_parser("demo", help="run a small fleet on loopback and replay a trace slice")
+    from replay.demo import add_arguments as add_demo_args
+
+    add_demo_args(demo)
+    demo.set_defaults(func=_demo)
+
+    replay_p = sub.add_parser("replay", help="open-loop live load from a trace against a gateway")
+    from replay.loadgen import add_arguments as add_replay_args
+
+    add_replay_args(replay_p)
+    replay_p.set_defaults(func=_replay)
 
     serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible reverse proxy)")
     from gateway.serve import add_arguments as add_serve_args

@@ -103,6 +103,8 @@ async def _one(
                 if n:
                     last = now
                     tokens += n
+                if b'"usage":{' in chunk:
+                    out.cached_tokens = _cached_tokens(chunk)
     except (TimeoutError, aiohttp.ClientError) as exc:
         out.outcome, out.reason = Outcome.FAILED, type(exc).__name__
         return
@@ -115,6 +117,18 @@ async def _one(
     out.generated = tokens
     if tokens > 1 and last is not None:
         out.tbt_mean_s = (last - first) / (tokens - 1) / scale
+
+
+def _cached_tokens(chunk: bytes) -> int:
+    """prompt_tokens_details.cached_tokens from the stream's usage event."""
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {") and b'"usage":{' in line:
+            try:
+                usage = json.loads(line[6:]).get("usage") or {}
+                return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            except (ValueError, TypeError, AttributeError):
+                return 0
+    return 0
 
 
 def _message(payload: bytes) -> str:

@@ -107,9 +107,14 @@ def fleet_from(args: argparse.Namespace, settings: Settings) -> FleetSpec:
 
 
 def run_one(
-    settings: Settings, fleet: FleetSpec, trace: list[TraceRequest], spec: RunSpec, quiet: bool
+    settings: Settings,
+    fleet: FleetSpec,
+    trace: list[TraceRequest],
+    spec: RunSpec,
+    quiet: bool,
+    ttft_after_transfer: bool = False,
 ) -> RunResult:
-    from replay.simulator import Simulator
+    from replay.simulator import SimOptions, Simulator
 
     s = replace(
         settings,
@@ -117,7 +122,7 @@ def run_one(
         admission=replace(settings.admission, mode=spec.admission),
     )
     start = time.perf_counter()
-    sim = Simulator(s, fleet, trace)
+    sim = Simulator(s, fleet, trace, SimOptions(ttft_after_transfer=ttft_after_transfer))
     result = sim.run(progress=ProgressBar(spec.label, enabled=not quiet))
     result.wall_s = time.perf_counter() - start
     result.extra["fleet"] = (
@@ -168,6 +173,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="on",
         help="proactive hot-prefix replication (default on)",
     )
+    p.add_argument("--ttft-after-transfer", action="store_true",
+                   help="TTFT ends when the KV reaches decode (as on the vLLM/SGLang P/D wire) "
+                   "instead of at the end of the prefill (Mooncake)")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -190,7 +198,10 @@ def main(args: argparse.Namespace) -> int:
     except (TraceError, ConfigError, PolicyError, ValueError, KeyError, OSError) as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
-    results = [run_one(settings, fleet, trace, spec, args.quiet) for spec in specs]
+    results = [
+        run_one(settings, fleet, trace, spec, args.quiet, args.ttft_after_transfer)
+        for spec in specs
+    ]
     summaries = [summarize(r) for r in results]
     print(format_table(summaries))
     if args.json:

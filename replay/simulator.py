@@ -45,6 +45,11 @@ class SimOptions:
     # max_tokens would hand the output-length predictor the answer, so requests ask for at least
     # this many and the engine stops at the trace's length (as if at an end-of-sequence token).
     max_tokens: int = 2048
+    # When the client sees the first token. False: at the end of the prefill (Mooncake, which
+    # overlaps the KV transfer with the prefill layer by layer). True: when the KV reached the
+    # decode instance, which streams the first token (vLLM NIXL / SGLang P/D on the wire, and
+    # so the live emulator path).
+    ttft_after_transfer: bool = False
     label: str | None = None
 
 
@@ -227,7 +232,7 @@ class Simulator:
             rid = done.request_id
             out = self.outcomes[rid]
             out.cached_tokens = done.cached_tokens
-            out.ttft_s = now - out.arrival_s  # the prefill produces the first token
+            out.ttft_s = now - out.arrival_s  # the prefill produces the first token ...
             self._decode_start_s[rid] = now  # colocated engines decode from here on
             self.conductor.first_token(rid, now)
             req = self._requests[rid]
@@ -244,6 +249,9 @@ class Simulator:
 
     def _on_kv_arrived(self, rid: str, now: float) -> None:
         req = self._requests[rid]
+        if self.options.ttft_after_transfer:  # ... or the decode streams it once the KV is in
+            out = self.outcomes[rid]
+            out.ttft_s = now - out.arrival_s
         engine = self.engines[self._decisions[rid].decode]
         refused = engine.submit_decode(
             DecodeSeq(rid, req.prompt_tokens, self._output[rid] - 1), now

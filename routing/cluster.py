@@ -84,6 +84,7 @@ class InstanceState:
     queued_tokens: int = 0
     incoming: dict[str, DecodeWork] = field(default_factory=dict)
     incoming_tokens: int = 0  # prompt tokens of the requests heading here
+    committed_key: float = 0.0  # committed_tbt(0), kept current by every change
     running: dict[str, DecodeWork] = field(default_factory=dict)
     batch: int = 0
     context_tokens: int = 0
@@ -166,11 +167,17 @@ class InstanceState:
             self.context_tokens + self.incoming_tokens + prompt_tokens,
         )
 
+    def _recommit(self) -> None:
+        # Cached so that placement over many decode instances is one min() over attributes.
+        # (The newcomer's own prompt adds the same k*prompt to every instance of a profile.)
+        self.committed_key = self.committed_tbt(0)
+
     def add_incoming(self, work: DecodeWork) -> None:
         self.incoming[work.request_id] = work
         self.incoming_tokens += work.prompt_tokens
         self._by_arrival.add(work)
         self.reserved_tokens += work.reserved_tokens
+        self._recommit()
 
     def start_decode(self, request_id: str, now: float) -> DecodeWork | None:
         work = self.incoming.pop(request_id, None)
@@ -185,6 +192,7 @@ class InstanceState:
         self._by_finish.add(work)
         self.batch += 1
         self.context_tokens += work.context_tokens
+        self._recommit()
         return work
 
     def add_tokens(self, request_id: str, n: int, now: float) -> None:
@@ -199,6 +207,7 @@ class InstanceState:
         self.reserved_tokens += work.reserved_tokens - before
         work.finish_step = clock + work.expected_remaining()
         self._by_finish.add(work)
+        self._recommit()
 
     def remove_decode(self, request_id: str, now: float) -> DecodeWork | None:
         work = self.running.pop(request_id, None)
@@ -214,6 +223,7 @@ class InstanceState:
             self.incoming_tokens -= work.prompt_tokens
             self._by_arrival.remove(work)
         self.reserved_tokens -= work.reserved_tokens
+        self._recommit()
         return work
 
     def kv_fits(self, tokens: int) -> bool:
@@ -259,5 +269,6 @@ class InstanceState:
         self.busy_until_s = self.steps = 0.0
         self.queued_tokens = self.batch = self.context_tokens = self.reserved_tokens = 0
         self.incoming_tokens = 0
+        self._recommit()
         self.inbound_bytes = 0.0
         return ids

@@ -9,10 +9,10 @@ Time is always an argument; nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from config.settings import AdmissionMode, DecodePlacement, InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
@@ -37,6 +37,7 @@ from routing.types import (
 )
 
 PredictorFactory = Callable[[str | None], InstancePredictors]
+_COMMITTED = attrgetter("committed_key")
 
 
 @dataclass(slots=True)
@@ -239,13 +240,19 @@ class Conductor:
             ranked = [(chosen.tbt_now(1, req.prompt_tokens), 0, chosen)]
         else:
             p = req.prompt_tokens
-            committed = self.settings.routing.decode_placement is DecodePlacement.COMMITTED
             fits = [
-                (d.committed_tbt(p) if committed else d.tbt_now(1, p), d.bit_order, d)
+                d
                 for d in self._decode
                 if d.reserved_tokens + need <= d.capacity_tokens and d.batch < d.max_batch
             ]
-            ranked = heapq.nsmallest(1, fits)
+            if self.settings.routing.decode_placement is DecodePlacement.COMMITTED:
+                ranked = [(0.0, 0, min(fits, key=_COMMITTED))] if fits else []
+            else:
+                ranked = (
+                    [(0.0, 0, min(fits, key=lambda d: (d.tbt_now(1, p), d.bit_order)))]
+                    if fits
+                    else []
+                )
             if not ranked:
                 if self.admission.mode is not AdmissionMode.NONE:
                     return None, 0.0, 0.0, 0.0

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import ClassVar
 
 from config.settings import AdmissionMode
 from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
 from routing.policies.base import PlacementContext, PolicyBase
+
+_BUSY_UNTIL = attrgetter("busy_until_s")
 
 
 def _argmin_ttft(
@@ -24,7 +27,8 @@ def _argmin_ttft(
     bounds: dict[int, float] = {}
     best: PrefillOption | None = None
     best_ttft = float("inf")
-    for inst in ctx.prefill_candidates:
+    # Shortest queue first: a good option is found early and most others are pruned.
+    for inst in sorted(ctx.prefill_candidates, key=_BUSY_UNTIL):
         queue = inst.busy_until_s - now
         if best is not None:
             key = id(inst.predictors)
