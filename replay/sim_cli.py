@@ -8,7 +8,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from config.settings import AdmissionMode, PredictorSettings, Settings, SLOSettings
+from config.settings import (
+    AdmissionMode,
+    DecodePlacement,
+    PredictorSettings,
+    Settings,
+    SLOSettings,
+)
 from replay.fleet import FleetSpec
 from replay.progress import ProgressBar
 from replay.results import RunResult
@@ -88,6 +94,8 @@ def base_settings(args: argparse.Namespace) -> Settings:
         slo = replace(slo, tbt_s=args.tbt_slo)
     # Mooncake trace hash ids name 512-token blocks; the cache view must use the same size.
     routing = replace(settings.routing, block_size=args.block_size, seed=args.seed)
+    if args.decode_placement:
+        routing = replace(routing, decode_placement=DecodePlacement(args.decode_placement))
     replication = replace(settings.replication, enabled=args.replication == "on")
     return replace(settings, slo=slo, routing=routing, replication=replication)
 
@@ -166,6 +174,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-decode-check",
         action="store_true",
         help="decode instances accept everything (no local TBT check)",
+    )
+    p.add_argument(
+        "--decode-placement",
+        choices=[m.value for m in DecodePlacement],
+        help="decode load key: committed (default) or current (Mooncake's)",
     )
     p.add_argument(
         "--replication",
