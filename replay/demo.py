@@ -38,11 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="llama3-8b-h100-tp1")
     p.add_argument("--policy", default="kvcache_centric")
     p.add_argument("--admission", choices=[m.value for m in AdmissionMode], default="predictive")
-    p.add_argument("--duration", type=float, default=240.0,
-                   help="seconds of trace to replay (default 240)")
+    p.add_argument(
+        "--duration", type=float, default=240.0, help="seconds of trace to replay (default 240)"
+    )
     p.add_argument("--speed", type=float, default=1.0, help="load factor")
-    p.add_argument("--time-scale", type=float, default=0.25,
-                   help="wall seconds per model second (default 0.25: 4x faster than real)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.25,
+        help="wall seconds per model second (default 0.25: 4x faster than real)",
+    )
     p.add_argument("--out", default="kvgate-demo", help="directory for plots and JSON")
     p.add_argument("--quiet", action="store_true")
 
@@ -51,27 +56,40 @@ async def _run(args: argparse.Namespace) -> int:
     from replay.plots import write_plots
     from replay.report import format_table, summarize, write_json
 
-    trace = select(load_trace(args.trace or bundled_trace()), duration_s=args.duration,
-                   speed=args.speed)
+    trace = select(
+        load_trace(args.trace or bundled_trace()), duration_s=args.duration, speed=args.speed
+    )
     base = Settings()
     base = replace(
         base,
         routing=replace(base.routing, policy=args.policy),
         admission=replace(base.admission, mode=AdmissionMode(args.admission)),
     )
-    spec = StackSpec(prefill=0 if args.colocated else args.prefill,
-                     decode=0 if args.colocated else args.decode, colocated=args.colocated,
-                     protocol=Protocol(args.protocol), profile=args.profile,
-                     time_scale=args.time_scale, base=base)
+    spec = StackSpec(
+        prefill=0 if args.colocated else args.prefill,
+        decode=0 if args.colocated else args.decode,
+        colocated=args.colocated,
+        protocol=Protocol(args.protocol),
+        profile=args.profile,
+        time_scale=args.time_scale,
+        base=base,
+    )
     stack = LiveStack(spec)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     await stack.start()
     try:
-        say(f"kvgate demo: gateway {stack.url}, {len(stack.emulators)} emulators "
+        say(
+            f"kvgate demo: gateway {stack.url}, {len(stack.emulators)} emulators "
             f"({args.protocol}, {args.profile}), replaying {len(trace)} requests "
-            f"({args.duration:.0f} s of trace at time scale {args.time_scale})")
-        opts = LoadOptions(stack.url, args.time_scale, label=f"{args.policy}+{args.admission}",
-                           ttft_slo_s=base.slo.ttft_s, tbt_slo_s=base.slo.tbt_s)
+            f"({args.duration:.0f} s of trace at time scale {args.time_scale})"
+        )
+        opts = LoadOptions(
+            stack.url,
+            args.time_scale,
+            label=f"{args.policy}+{args.admission}",
+            ttft_slo_s=base.slo.ttft_s,
+            tbt_slo_s=base.slo.tbt_s,
+        )
         result = await run_load(trace, opts, ProgressBar("live replay", enabled=not args.quiet))
         gw = stack.gateway
         result.replication_commands = gw.conductor.planner.issued

@@ -186,9 +186,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="on",
         help="proactive hot-prefix replication (default on)",
     )
-    p.add_argument("--ttft-after-transfer", action="store_true",
-                   help="TTFT ends when the KV reaches decode (as on the vLLM/SGLang P/D wire) "
-                   "instead of at the end of the prefill (Mooncake)")
+    p.add_argument(
+        "--ttft-after-transfer",
+        action="store_true",
+        help="TTFT ends when the KV reaches decode (as on the vLLM/SGLang P/D wire) "
+        "instead of at the end of the prefill (Mooncake)",
+    )
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
