@@ -20,9 +20,10 @@ import aiohttp
 
 from backends.drivers import ProtocolDriver, Target, driver_for
 from backends.health import BreakerConfig, CircuitBreaker, HealthChecker
+from backends.http1 import Http1Client
 from backends.kv_events import KVEventSubscriber
 from backends.scraper import MetricsScraper
-from config.settings import InstanceSettings, PoolSettings, Role, Settings
+from config.settings import InstanceSettings, PoolSettings, ReplicationSink, Role, Settings
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.tracing import Tracing
@@ -52,11 +53,14 @@ class Gateway:
         self.specs: dict[str, InstanceSettings] = {}
         self.breakers: dict[str, CircuitBreaker] = {}
         self.replications: deque[dict[str, object]] = deque(maxlen=1000)
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # health checks and scrapes
+        self.client = Http1Client()  # the engine legs (pooled keep-alive connections)
         self.health: HealthChecker | None = None
         self.scraper: MetricsScraper | None = None
         self._subscribers: dict[str, KVEventSubscriber] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._replication_tasks: set[asyncio.Task[bool]] = set()
+        self._sink = None
         self._stop = asyncio.Event()
         for spec in settings.instances():
             self._register(spec)
@@ -75,7 +79,7 @@ class Gateway:
         protocol = next((s.protocol for s in specs), None)
         from config.settings import Protocol as WireProtocol
 
-        return driver_for(protocol or WireProtocol.VLLM, disaggregated)
+        return driver_for(protocol or WireProtocol.VLLM, disaggregated, self.client)
 
     def _http_targets(self) -> dict[str, str]:
         return {iid: t.url for iid, t in self.targets.items()}
@@ -158,26 +162,69 @@ class Gateway:
             breaker.record_success(self.clock())
 
     # ------------------------------------------------------------------ replication
-    def execute_replications(self, commands: tuple[ReplicationCommand, ...]) -> None:
-        """Dry-run sink: record the commands and release them (engines and the Mooncake
-        Store as real sinks are a separate piece of work)."""
+    def _make_sink(self):
+        """The configured sink; None = dry run (commands are recorded, not executed)."""
+        kind = self.settings.replication.sink
+        if kind is ReplicationSink.DRY_RUN or self.session is None:
+            return None
+        if kind is ReplicationSink.ENGINE:
+            from backends.engine_sink import EngineFetchSink
+
+            kv = {iid: inst.predictors.profile.kv_bytes_per_token
+                  for iid, inst in self.conductor.instances.items()}
+            rep = self.settings.replication
+            return EngineFetchSink(self.session, _UrlView(self.targets), kv_bytes_per_token=kv,
+                                   timeout_s=rep.timeout_s, max_retries=rep.max_retries)
+        from backends.mooncake_store import MooncakeStoreSink
+
+        return MooncakeStoreSink.from_settings(self.settings)
+
+    def execute_replications(
+        self, commands: tuple[ReplicationCommand, ...]
+    ) -> list[asyncio.Task[bool]]:
+        """Start every command in the background; returns the tasks of the pulls a request is
+        waiting for (its own prefix), so the proxy can let its prefill start after them."""
+        waits = []
         for cmd in commands:
-            self.replications.append(
-                {
-                    "command_id": cmd.command_id,
-                    "source": cmd.source,
-                    "destination": cmd.destination,
-                    "blocks": len(cmd.block_hashes),
-                    "tokens": cmd.tokens,
-                    "reason": cmd.reason.value,
-                    "request_id": cmd.request_id,
-                    "issued_s": cmd.issued_s,
-                    "state": "recorded",
-                    "sink": self.settings.replication.sink.value,
-                }
-            )
-            self.metrics.replications.labels(cmd.reason.value, "recorded").inc()
+            entry = {
+                "command_id": cmd.command_id, "source": cmd.source,
+                "destination": cmd.destination, "blocks": len(cmd.block_hashes),
+                "tokens": cmd.tokens, "reason": cmd.reason.value, "request_id": cmd.request_id,
+                "prefix_key": cmd.prefix_key,
+                "issued_s": cmd.issued_s, "sink": self.settings.replication.sink.value,
+                "state": "in_flight", "attempts": 1, "latency_s": None, "error": None,
+            }
+            self.replications.append(entry)
+            if self._sink is None:
+                entry["state"] = "recorded"
+                self.metrics.replications.labels(cmd.reason.value, "recorded").inc()
+                self.conductor.replication_dropped(cmd.command_id)
+                continue
+            task = asyncio.create_task(self._replicate(cmd, entry))
+            self._replication_tasks.add(task)
+            task.add_done_callback(self._replication_tasks.discard)
+            if cmd.request_id is not None:
+                waits.append(task)
+        return waits
+
+    async def _replicate(self, cmd: ReplicationCommand, entry: dict[str, object]) -> bool:
+        result = await self._sink.execute(cmd)  # the sink retries within its own budget
+        now = self.clock()
+        entry.update(attempts=result.attempts, latency_s=result.latency_s, error=result.error)
+        if not result.executed:
+            entry["state"] = "not_executed"
             self.conductor.replication_dropped(cmd.command_id)
+            return False
+        retry = self.conductor.replication_done(cmd.command_id, result.ok, now)
+        if retry is not None:  # the sink already spent the retries: release the slot
+            self.conductor.replication_dropped(retry.command_id)
+        state = "confirmed" if result.ok else result.outcome.value
+        entry["state"] = state
+        self.metrics.replications.labels(cmd.reason.value, state).inc()
+        if result.ok:
+            self.metrics.replicated_bytes.inc(result.bytes)
+            self.metrics.replication_latency.observe(result.latency_s)
+        return result.ok
 
     # ------------------------------------------------------------------ KV events
     def _on_kv_events(self, instance_id: str, events: list[KVEvent]) -> None:
@@ -201,6 +248,7 @@ class Gateway:
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self._sink = self._make_sink()
         srv = self.settings.server
         self.health = HealthChecker(
             self.session,
@@ -257,11 +305,23 @@ class Gateway:
         self._stop.set()
         for sub in self._subscribers.values():
             sub.close()
-        for task in self._tasks:
+        for task in (*self._tasks, *self._replication_tasks):
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
         if self.session is not None:
             await self.session.close()
+        self.client.close()
         self.tracing.shutdown()
+
+
+class _UrlView:
+    """Instance id -> base URL, read live from the gateway's targets (instances come and go)."""
+
+    def __init__(self, targets: dict[str, Target]) -> None:
+        self._targets = targets
+
+    def get(self, instance_id: str) -> str | None:
+        t = self._targets.get(instance_id)
+        return t.url if t is not None else None

@@ -16,7 +16,7 @@ from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 
-from config.settings import AdmissionMode, Protocol, Settings
+from config.settings import AdmissionMode, Protocol, ReplicationSink, Settings
 from replay.loadgen import LoadOptions, run_load
 from replay.progress import ProgressBar
 from replay.stack import LiveStack, StackSpec
@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.25,
         help="wall seconds per model second (default 0.25: 4x faster than real)",
     )
+    p.add_argument(
+        "--replication-sink",
+        choices=[m.value for m in ReplicationSink],
+        default="engine",
+        help="where hot-prefix copies go (default: the engines pull from each other)",
+    )
     p.add_argument("--out", default="kvgate-demo", help="directory for plots and JSON")
     p.add_argument("--quiet", action="store_true")
 
@@ -64,6 +70,7 @@ async def _run(args: argparse.Namespace) -> int:
         base,
         routing=replace(base.routing, policy=args.policy),
         admission=replace(base.admission, mode=AdmissionMode(args.admission)),
+        replication=replace(base.replication, sink=ReplicationSink(args.replication_sink)),
     )
     spec = StackSpec(
         prefill=0 if args.colocated else args.prefill,
@@ -96,15 +103,37 @@ async def _run(args: argparse.Namespace) -> int:
         result.extra["gateway_decisions"] = gw.conductor.stats.decisions
         accuracy = gw.learner.accuracy()
         result.extra["ttft_prediction_mape_pct"] = accuracy["ttft_mape_pct"] or ""
+        replication = _replication_summary(gw)
+        result.extra.update(replication)
     finally:
         await stack.stop()
     summary = summarize(result)
     print(format_table([summary]))
+    print(
+        f"replication ({args.replication_sink} sink): {replication['replication_issued']} issued,"
+        f" {replication['replication_confirmed']} confirmed;"
+        f" {replication['replicated_prefixes_on_2plus']} replicated prefixes now cached on"
+        " 2 or more prefill instances"
+    )
     out = Path(args.out)
     write_json(out / "report.json", [summary], extra={"trace": str(args.trace or BUNDLED)})
     paths = write_plots([result], out)
     say(f"wrote {out / 'report.json'} and {len(paths)} plots in {out}/")
     return 0
+
+
+def _replication_summary(gw) -> dict[str, int]:
+    """Commands issued/confirmed, and how many copied prefixes the cache view now shows on
+    more than one prefill instance (the hot prefix spreading)."""
+    confirmed = [e for e in gw.replications if e["state"] == "confirmed"]
+    prefill = [iid for iid, inst in gw.conductor.instances.items() if inst.does_prefill]
+    keys = {e["prefix_key"] for e in confirmed}
+    spread = sum(1 for k in keys if sum(gw.conductor.index.holds(iid, k) for iid in prefill) >= 2)
+    return {
+        "replication_issued": gw.conductor.planner.issued,
+        "replication_confirmed": len(confirmed),
+        "replicated_prefixes_on_2plus": spread,
+    }
 
 
 def main(args: argparse.Namespace) -> int:

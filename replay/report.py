@@ -161,6 +161,7 @@ def summarize(run: RunResult, *, bucket_s: float = 10.0) -> dict[str, Any]:
             oscillation(timeline["prefill_queue_s"]) if has_prefill else None
         ),
         "decode_load_oscillation": oscillation(timeline["decode_load"]) if has_decode else None,
+        "prefill_hotspot_ratio": hotspot_ratio(run),
         "wall_s": run.wall_s,
         "sim_speedup": _ratio(run.duration_s, run.wall_s),
         "requests_per_wall_s": _ratio(n, run.wall_s),
@@ -168,6 +169,18 @@ def summarize(run: RunResult, *, bucket_s: float = 10.0) -> dict[str, Any]:
     for k, v in run.extra.items():
         out.setdefault(k, v)
     return _clean(out)
+
+
+def hotspot_ratio(run: RunResult) -> float | None:
+    """How much one prefill instance is the bottleneck: over the load samples taken while any
+    prefill queue was non-empty, the mean of (busiest instance's queue / mean queue). 1.0 =
+    perfectly even; N = all the backlog on one of N instances."""
+    by_time: dict[float, list[float]] = {}
+    for s in run.load:
+        if s.role != "decode":
+            by_time.setdefault(s.time_s, []).append(s.queue_s)
+    ratios = [max(q) / (sum(q) / len(q)) for q in by_time.values() if q and sum(q) > 0]
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 def _bucket_mean(sums: list[float], counts: list[int]) -> list[float | None]:

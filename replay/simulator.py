@@ -203,6 +203,7 @@ class Simulator:
     def _on_pull_done(self, payload: tuple[str, ReplicationCommand], now: float) -> None:
         rid, cmd = payload
         self.result.replication_commands += 1
+        self.result.replicated_bytes += cmd.tokens * self.kv_bytes_per_token
         self._land_copy(cmd, now)
         self._submit_prefill(rid, now)
 

@@ -73,6 +73,7 @@ class Conductor:
         self._order = 0
         self._prefill: list[InstanceState] = []
         self._decode: list[InstanceState] = []
+        self._last_now = 0.0  # the latest time seen, for fleet changes made without one
         self.apply_settings(settings)
         for inst in settings.instances():
             self.add_instance(inst)
@@ -101,6 +102,8 @@ class Conductor:
         ):
             self.policy: Policy = build_policy(settings.routing.policy, settings.routing.params)
             self.rng = random.Random(settings.routing.seed)
+            if getattr(self, "instances", None):
+                self._refresh_pools()  # a new policy learns the fleet it places on
         if old is None or not hasattr(self, "planner") or old.replication != settings.replication:
             self.planner = HotspotPlanner(settings.replication, settings.routing.block_size)
 
@@ -147,17 +150,22 @@ class Conductor:
         if inst.does_prefill:
             self.index.remove_instance(instance_id)
         self.planner.forget_instance(instance_id)
-        self._refresh_pools()
+        self._refresh_pools(now)
         return affected
 
-    def _refresh_pools(self) -> None:
+    def _refresh_pools(self, now: float | None = None) -> None:
+        if now is not None:
+            self._last_now = max(self._last_now, now)
         ordered = sorted(self.instances.values(), key=lambda i: i.bit_order)
         self._prefill = [i for i in ordered if i.eligible and i.does_prefill]
         self._decode = [i for i in ordered if i.eligible and i.role is Role.DECODE]
         self._has_decode_pool = any(i.role is Role.DECODE for i in ordered)
+        both = [i for i in self._prefill if i.role is Role.BOTH]
+        self.policy.on_fleet_change(both, self._last_now)
 
     # ------------------------------------------------------------------ decisions
     def schedule(self, req: RequestInfo, now: float) -> Decision | Rejection:
+        self._last_now = max(self._last_now, now)
         slo = resolve_slo(req, self.settings.slo)
         if not self._prefill:
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_PREFILL, slo)
@@ -174,7 +182,9 @@ class Conductor:
             threshold=routing.kvcache_balancing_threshold,
             min_transfer_blocks=routing.min_transfer_blocks,
             holders=self.instances,
-            transfer_allowed=len(self.planner.in_flight) < self.settings.replication.max_in_flight,
+            # Pulls are copies too: with replication off, prefixes are only reused in place.
+            transfer_allowed=self.settings.replication.enabled
+            and len(self.planner.in_flight) < self.settings.replication.max_in_flight,
         )
         ctx = PlacementContext(
             req,
@@ -186,6 +196,7 @@ class Conductor:
             self.rng,
             predicted_output,
             self.block_size,
+            slo,
         )
         option = self.policy.select_prefill(ctx)
         if option.pull_source not in (None, "store") and not self.planner.can_issue(
