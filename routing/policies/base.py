@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from config.settings import AdmissionMode
+from routing.admission import EffectiveSLO
 from routing.cluster import InstanceState
 from routing.estimates import PrefillOption, TTFTEstimator
 from routing.types import PrefixMatch, RequestInfo
@@ -25,6 +26,9 @@ class PlacementContext:
     rng: random.Random
     predicted_output: int
     block_size: int
+    # The request's effective SLO (priority class and per-request overrides applied), for
+    # policies whose placement rule is SLO-driven (rolling_activation's CheckConstraints).
+    slo: EffectiveSLO | None = None
 
 
 class Policy(Protocol):
@@ -44,6 +48,8 @@ class Policy(Protocol):
 
     def select_decode(self, ctx: PlacementContext) -> InstanceState | None: ...
 
+    def on_fleet_change(self, instances: list[InstanceState], now: float) -> None: ...
+
 
 class PolicyBase:
     """Defaults shared by the policies: no decode override, no parameters."""
@@ -57,6 +63,14 @@ class PolicyBase:
             raise TypeError(f"unknown parameter(s) {sorted(params)}")
 
     def select_decode(self, ctx: PlacementContext) -> InstanceState | None:
+        return None
+
+    def on_fleet_change(self, instances: list[InstanceState], now: float) -> None:
+        """The eligible colocated (role ``both``) instances changed: added, removed, drained,
+        unhealthy or back; ``instances`` in registration order. Called by the Conductor on
+        every pool refresh (and after a policy swap), so a policy that keeps per-instance
+        state (e.g. rolling_activation's macro instances) can regroup eagerly. Requests are
+        not the policy's business: the Conductor's books keep them. Default: nothing."""
         return None
 
 
