@@ -44,8 +44,9 @@ class EngineFetchSink:
         dest = self._urls.get(cmd.destination)
         source = self._urls.get(cmd.source)
         if dest is None or source is None:
-            return ReplicationResult(cmd.command_id, Outcome.NOT_EXECUTED,
-                                     error="unknown source or destination instance")
+            return ReplicationResult(
+                cmd.command_id, Outcome.NOT_EXECUTED, error="unknown source or destination instance"
+            )
         body = {
             "source_url": source,
             "block_hashes": list(cmd.block_hashes),
@@ -63,15 +64,28 @@ class EngineFetchSink:
                     payload = await resp.json(content_type=None)
                     if resp.status == 200 and isinstance(payload, dict) and payload.get("ok"):
                         nbytes = cmd.tokens * self._kv_bytes.get(cmd.destination, 0)
-                        return ReplicationResult(cmd.command_id, Outcome.OK,
-                                                 time.perf_counter() - start, nbytes,
-                                                 attempts=attempt)
+                        return ReplicationResult(
+                            cmd.command_id,
+                            Outcome.OK,
+                            time.perf_counter() - start,
+                            nbytes,
+                            attempts=attempt,
+                        )
                     error = f"HTTP {resp.status}: {payload}"
             except TimeoutError:
-                return ReplicationResult(cmd.command_id, Outcome.TIMEOUT,
-                                         time.perf_counter() - start, error="timeout",
-                                         attempts=attempt)
+                return ReplicationResult(
+                    cmd.command_id,
+                    Outcome.TIMEOUT,
+                    time.perf_counter() - start,
+                    error="timeout",
+                    attempts=attempt,
+                )
             except (aiohttp.ClientError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        return ReplicationResult(cmd.command_id, Outcome.FAILED, time.perf_counter() - start,
-                                 error=error, attempts=self.max_retries + 1)
+        return ReplicationResult(
+            cmd.command_id,
+            Outcome.FAILED,
+            time.perf_counter() - start,
+            error=error,
+            attempts=self.max_retries + 1,
+        )

@@ -177,6 +177,10 @@ class ReplicationSettings:
     cooldown_s: float = 10.0
     max_retries: int = 2
     timeout_s: float = 30.0
+    # Mooncake Store sink: the master's RPC address and instance id -> store segment name
+    # (an instance missing here uses its id as the segment name).
+    store_master_addr: str = "127.0.0.1:50051"
+    store_segments: Mapping[str, Any] = field(default_factory=frozen_mapping)
 
 
 class TracingExporter(StrEnum):

@@ -98,6 +98,7 @@ class AdminAPI:
             Route("/admin/decisions", a(self.decisions), methods=["GET"]),
             Route("/admin/predictors", a(self.predictors), methods=["GET"]),
             Route("/admin/replication", a(self.replication), methods=["GET"]),
+            Route("/admin/macro-instances", a(self.macro_instances), methods=["GET"]),
         ]
 
     # ------------------------------------------------------------------ handlers
@@ -227,6 +228,25 @@ class AdminAPI:
 
     async def predictors(self, request: Request) -> Response:
         return JSONResponse(self.gw.learner.accuracy())
+
+    async def macro_instances(self, request: Request) -> Response:
+        """EcoServe macro instances and the phase of each member (rolling_activation only)."""
+        policy = self.gw.conductor.policy
+        describe = getattr(policy, "macro_instances", None)
+        if describe is None:
+            return _error(
+                404,
+                f"policy {policy.name!r} has no macro instances (use rolling_activation)",
+                "not_found_error",
+            )
+        return JSONResponse(
+            {
+                "policy": policy.name,
+                "moves": getattr(policy, "moves", None),
+                "switches": getattr(policy, "switches", None),
+                "macro_instances": describe(self.gw.clock()),
+            }
+        )
 
     async def replication(self, request: Request) -> Response:
         planner = self.gw.conductor.planner

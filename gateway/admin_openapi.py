@@ -141,6 +141,17 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "accuracy", **_ANY}, "401": _ERROR},
             }
         },
+        "/admin/macro-instances": {
+            "get": {
+                "summary": "EcoServe macro instances, active member and phases "
+                "(rolling_activation)",
+                "responses": {
+                    "200": {"description": "macro instances", **_ANY},
+                    "404": _ERROR,
+                    "401": _ERROR,
+                },
+            }
+        },
         "/admin/replication": {
             "get": {
                 "summary": "Replication commands (recent, counts)",

@@ -71,12 +71,15 @@ class GatewayMetrics:
             registry=r,
         )
         self.replicated_bytes = Counter(
-            "kvgate_replicated_bytes", "KV bytes copied by confirmed replication commands",
+            "kvgate_replicated_bytes",
+            "KV bytes copied by confirmed replication commands",
             registry=r,
         )
         self.replication_latency = Histogram(
-            "kvgate_replication_confirm_seconds", "Issue-to-confirmation time of copies",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "kvgate_replication_confirm_seconds",
+            "Issue-to-confirmation time of copies",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Engine leg failures", ["instance"], registry=r

@@ -1,8 +1,10 @@
 """The proxy hot path, in plain ASGI: parse -> decide -> reject at once or forward and stream.
 
 Plain ASGI (not a Starlette endpoint) because this path runs for every request and token; the
-measurements in docs/ show Starlette's StreamingResponse costing ~2x the CPU of raw ASGI. The
-body is streamed through chunk by chunk as it arrives, never buffered. What happens is
+reference measurements show Starlette's StreamingResponse costing ~2x the CPU of raw ASGI
+(docs/proxy-bench.md has this gateway's own). The body is forwarded as the client sent it and
+the answer streamed through chunk by chunk as it arrives, never buffered. With tracing off no
+span objects are made at all. What happens is
 reported back to the Conductor: dispatched, prefill done, first token, tokens, finished,
 failed (including a client that went away, which also aborts the engine legs).
 """
@@ -11,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import itertools
 import math
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +32,14 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 _TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
+# Request ids the gateway makes: a random per-process prefix and a counter (32 hex digits, as
+# uuid4().hex, at a fraction of its cost).
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
@@ -82,11 +92,17 @@ class CompletionHandler:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
+        requests = gw.metrics.requests
+        self._completed = requests.labels("completed")
+        self._rejected = requests.labels("rejected")
+        self._upstream_error = requests.labels("upstream_error")
+        self._disconnected = requests.labels("client_disconnected")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        # ASGI servers lower-case header names already
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or new_request_id()
         try:
             raw = await _read_body(receive, gw.settings.server.max_body_bytes)
             parsed = parse_request(
@@ -106,36 +122,53 @@ class CompletionHandler:
             body = error_body(exc.message, "invalid_request_error", param=exc.param)
             await send_json(send, exc.status, body, [(b"x-request-id", request_id.encode())])
             return
+        if not gw.tracing.enabled:  # no span machinery at all, not even no-op spans
+            await self._serve(parsed, scope["path"], raw, receive, send)
+            return
         tracer = gw.tracing.tracer
         with tracer.start_as_current_span(
             "kvgate.request", context=gw.tracing.extract(headers)
         ) as span:
             span.set_attribute("kvgate.request_id", request_id)
-            await self._serve(parsed, scope["path"], receive, send)
+            await self._serve(parsed, scope["path"], raw, receive, send)
 
-    async def _decide(self, parsed: ParsedRequest) -> Decision | Rejection:
+    def _decide(self, parsed: ParsedRequest) -> Decision | Rejection:
         gw = self.gw
-        with gw.tracing.tracer.start_as_current_span("kvgate.decision"):
-            t0 = time.perf_counter()
-            now = gw.clock()
-            out = gw.conductor.schedule(parsed.info, now)
-            if isinstance(out, Decision):
-                gw.conductor.dispatched(out, parsed.info, now)
-            gw.metrics.decision.observe(time.perf_counter() - t0)
+        if gw.tracing.enabled:
+            with gw.tracing.tracer.start_as_current_span("kvgate.decision"):
+                return self._decide_now(parsed)
+        return self._decide_now(parsed)
+
+    def _decide_now(self, parsed: ParsedRequest) -> Decision | Rejection:
+        gw = self.gw
+        t0 = time.perf_counter()
+        now = gw.clock()
+        out = gw.conductor.schedule(parsed.info, now)
+        if isinstance(out, Decision):
+            gw.conductor.dispatched(out, parsed.info, now)
+        gw.metrics.decision.observe(time.perf_counter() - t0)
         return out
 
-    async def _serve(self, parsed: ParsedRequest, path: str, receive: Receive, send: Send):
+    async def _serve(
+        self, parsed: ParsedRequest, path: str, raw: bytes, receive: Receive, send: Send
+    ):
         gw = self.gw
         rid = parsed.info.request_id
         retries = gw.settings.server.max_retries
         while True:
-            decision = await self._decide(parsed)
+            decision = self._decide(parsed)
             if isinstance(decision, Rejection):
                 gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
-                gw.metrics.requests.labels("rejected").inc()
+                self._rejected.inc()
                 await send_json(send, *rejection_response(decision, rid))
                 return
-            gw.execute_replications(decision.replications)
+            pulls = gw.execute_replications(decision.replications)
+            if pulls:  # the prefill reuses a prefix pulled from its holder: let it land first
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        asyncio.shield(asyncio.gather(*pulls)),
+                        gw.settings.replication.timeout_s,
+                    )
             gw.metrics.placed(decision.prompt_tokens, decision.cached_tokens)
             record = DecisionRecord(
                 rid,
@@ -151,7 +184,7 @@ class CompletionHandler:
             )
             gw.learner.record(record)
             try:
-                upstream = await self._open(parsed, path, decision)
+                upstream = await self._open(parsed, path, raw, decision)
                 break
             except UpstreamError as exc:
                 gw.conductor.failed(rid, gw.clock())
@@ -161,15 +194,18 @@ class CompletionHandler:
                     gw.metrics.retries.inc()
                     continue
                 record.outcome = "failed"
-                gw.metrics.requests.labels("upstream_error").inc()
+                self._upstream_error.inc()
                 await self._send_upstream_error(send, exc, rid)
                 return
         await self._relay(parsed, upstream, decision, record, receive, send)
 
-    async def _open(self, parsed: ParsedRequest, path: str, d: Decision) -> UpstreamResponse:
+    async def _open(
+        self, parsed: ParsedRequest, path: str, raw: bytes, d: Decision
+    ) -> UpstreamResponse:
         gw = self.gw
         headers = {"X-Request-Id": parsed.info.request_id}
-        gw.tracing.inject(headers)
+        if gw.tracing.enabled:
+            gw.tracing.inject(headers)
         prefill_done_at: list[float] = []
 
         def prefill_done() -> None:
@@ -186,8 +222,12 @@ class CompletionHandler:
             headers=headers,
             timeout_s=max(60.0, 4 * d.slo_ttft_s),
             on_prefill_done=prefill_done,
+            raw_body=raw,  # the body is forwarded as the client sent it where it is unchanged
         )
-        with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
+        if gw.tracing.enabled:
+            with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
+                upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
+        else:
             upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
         gw.leg_succeeded(d.prefill)
         return upstream
@@ -213,12 +253,13 @@ class CompletionHandler:
         gw = self.gw
         rid = parsed.info.request_id
         start = gw.clock()
-        disconnected = asyncio.Event()
+        disconnected = False
 
         async def watch() -> None:
+            nonlocal disconnected
             while (await receive())["type"] != "http.disconnect":
                 pass
-            disconnected.set()
+            disconnected = True
             upstream.close()  # aborts the engine legs
 
         watcher = asyncio.create_task(watch())
@@ -246,17 +287,17 @@ class CompletionHandler:
             now = gw.clock()
             gw.conductor.finished(rid, now, output_tokens=tokens or None)
             record.outcome = "completed"
-            gw.metrics.requests.labels("completed").inc()
+            self._completed.inc()
             self._learn(parsed, d, record, now)
         except (UpstreamError, OSError, asyncio.CancelledError) as exc:
             upstream.close()
             gw.conductor.failed(rid, gw.clock())
-            if disconnected.is_set():
+            if disconnected:
                 record.outcome = "client_disconnected"
-                gw.metrics.requests.labels("client_disconnected").inc()
+                self._disconnected.inc()
             else:
                 record.outcome = "failed"
-                gw.metrics.requests.labels("upstream_error").inc()
+                self._upstream_error.inc()
                 if isinstance(exc, UpstreamError):
                     gw.leg_failed(exc.instance_id)
                     await _send_stream_error(send, parsed.stream, exc)
@@ -274,7 +315,12 @@ class CompletionHandler:
         conductor = gw.conductor
         tokens = unreported = 0
         last = first = None
-        async for chunk in upstream.chunks():
+        next_chunk = upstream.next_chunk
+        while True:
+            chunk = await next_chunk()
+            if chunk is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                break
             now = clock()
             if first is None:
                 first = now
@@ -284,14 +330,17 @@ class CompletionHandler:
             elif last is not None:
                 gw.metrics.tbt.observe(now - last)
             last = now
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # The last chunk ends the response in the same write (no separate terminator).
+            end = upstream.complete
+            await send({"type": "http.response.body", "body": chunk, "more_body": not end})
             n = count_stream_tokens(chunk)
             tokens += n
             unreported += n
             if unreported >= _TOKEN_FLUSH:
                 conductor.tokens(rid, unreported, now)
                 unreported = 0
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if end:
+                break
         if first is not None and last is not None and tokens > 1:
             record.observed_tbt_s = (last - first) / (tokens - 1)
         return tokens
@@ -317,12 +366,25 @@ class CompletionHandler:
             )
 
 
+_COMPLETION_TOKENS = b'"completion_tokens"'
+
+
 def _usage_tokens(body: bytes) -> int:
-    try:
-        usage = json.loads(body).get("usage") or {}
-        return int(usage.get("completion_tokens") or 0)
-    except (ValueError, AttributeError, TypeError):
+    """usage.completion_tokens of a JSON answer, found without parsing the whole answer (it is
+    the last such key: ``usage`` follows ``choices``, and a key inside string content would be
+    escaped)."""
+    i = body.rfind(_COMPLETION_TOKENS)
+    if i < 0:
         return 0
+    j = i + len(_COMPLETION_TOKENS)
+    rest = body[j : j + 32].lstrip()
+    if not rest.startswith(b":"):
+        return 0
+    rest = rest[1:].lstrip()
+    n = 0
+    while n < len(rest) and 48 <= rest[n] <= 57:
+        n += 1
+    return int(rest[:n]) if n else 0
 
 
 async def _send_stream_error(send: Send, stream: bool, exc: UpstreamError) -> None:

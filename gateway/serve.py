@@ -28,6 +28,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    from gateway.runtime import tune_gc
+
+    tune_gc()  # the process is this gateway's alone: tune the cyclic GC for it
     host = args.host or settings.server.host
     port = args.port or settings.server.port
     n = len(settings.instances())

@@ -14,6 +14,7 @@ from config.settings import (
     PredictorSettings,
     Settings,
     SLOSettings,
+    frozen_mapping,
 )
 from replay.fleet import FleetSpec
 from replay.progress import ProgressBar
@@ -96,8 +97,39 @@ def base_settings(args: argparse.Namespace) -> Settings:
     routing = replace(settings.routing, block_size=args.block_size, seed=args.seed)
     if args.decode_placement:
         routing = replace(routing, decode_placement=DecodePlacement(args.decode_placement))
+    if getattr(args, "param", None):
+        params = {**routing.params, **parse_params(args.param)}
+        routing = replace(routing, params=frozen_mapping(params))
     replication = replace(settings.replication, enabled=args.replication == "on")
-    return replace(settings, slo=slo, routing=routing, replication=replication)
+    predictors = settings.predictors
+    if getattr(args, "link_gbps", None) is not None:
+        # Sets the Conductor's transfer predictor and the simulated network alike.
+        predictors = replace(predictors, link_bandwidth_gbps=args.link_gbps)
+    return replace(
+        settings, slo=slo, routing=routing, replication=replication, predictors=predictors
+    )
+
+
+def parse_params(items: list[str]) -> dict[str, object]:
+    """``--param macro_size=4 --param max_window_s=1.0``: policy parameters; values are
+    parsed as int, float or bool when they look like one (the registry checks the types)."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param expects KEY=VALUE, got {item!r}")
+        value: object = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(raw)
+                    break
+                except ValueError:
+                    continue
+        out[key.strip()] = value
+    return out
 
 
 def fleet_from(args: argparse.Namespace, settings: Settings) -> FleetSpec:
@@ -192,6 +224,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="TTFT ends when the KV reaches decode (as on the vLLM/SGLang P/D wire) "
         "instead of at the end of the prefill (Mooncake)",
     )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        help="network between instances in Gbit/s (KV transfers; default 200, RDMA-class)",
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        metavar="KEY=VALUE",
+        help="policy parameter (repeatable), e.g. --param macro_size=4",
+    )
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -200,12 +243,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from config.loader import ConfigError
     from replay.report import format_table, summarize, write_json
-    from routing.policies.registry import PolicyError
+    from routing.policies.registry import PolicyError, build_policy
 
     try:
         default_adm = AdmissionMode(args.admission) if args.admission else None
         specs = parse_run_specs(args.compare or args.policy, default_adm)
         settings = base_settings(args)
+        for spec in specs:  # policy parameters are checked before any run starts
+            build_policy(spec.policy, settings.routing.params)
         fleet = fleet_from(args, settings)
         fleet.validate()
         trace = load_workload(args)

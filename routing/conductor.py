@@ -433,13 +433,19 @@ class Conductor:
         """A command that will not be executed (dry run): release its in-flight slot."""
         self.planner.drop(command_id)
 
-    def replication_done(self, command_id: str, ok: bool, now: float) -> ReplicationCommand | None:
-        """A copy finished. On success the destination holds the blocks; on failure the index
+    def replication_done(
+        self, command_id: str, ok: bool, now: float, tier: Tier = Tier.GPU
+    ) -> ReplicationCommand | None:
+        """A copy finished. On success the destination holds the blocks (on ``tier``; a copy
+        into the shared store makes them loadable by every instance); on failure the index
         is unchanged and a retry command may be returned."""
         entry = self.planner.in_flight.get(command_id)
-        if entry is not None and ok and entry.command.destination in self.instances:
+        if entry is not None and ok:
             cmd = entry.command
-            self.index.apply(cmd.destination, BlockStored(cmd.block_hashes, Tier.GPU), now)
+            if tier is Tier.STORE:
+                self.index.apply_store(BlockStored(cmd.block_hashes, Tier.STORE))
+            elif cmd.destination in self.instances:
+                self.index.apply(cmd.destination, BlockStored(cmd.block_hashes, tier), now)
         return self.planner.complete(command_id, ok, now)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from routing.policies.base import Policy
+from routing.policies.ecoserve import RollingActivationPolicy
 from routing.policies.mooncake import CacheAwarePolicy, KVCacheCentricPolicy
 from routing.policies.peers import DynamoKVPolicy, LLMDWeightedPolicy, SGLangCacheAwarePolicy
 from routing.policies.simple import (
@@ -28,6 +29,7 @@ POLICIES: Mapping[str, type] = {
         SGLangCacheAwarePolicy,
         DynamoKVPolicy,
         LLMDWeightedPolicy,
+        RollingActivationPolicy,
     )
 }
 

@@ -142,3 +142,34 @@ def test_public_endpoints(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": "x"}, headers={"x-kvgate-priority": "vip"})
     assert r.status_code == 400 and "vip" in r.json()["error"]["message"]
     assert client.get("/v1/completions").status_code == 405
+
+
+def test_macro_instances_endpoint() -> None:
+    data = {
+        "server": {"admin_token": TOKEN, "health_interval_s": 30.0, "refit_interval_s": 0},
+        "routing": {"policy": "rolling_activation"},
+        "pools": [
+            {
+                "name": "both",
+                "role": "both",
+                "instances": [
+                    {"id": f"c{i}", "url": f"http://127.0.0.1:{20 + i}"} for i in range(4)
+                ],
+            }
+        ],
+    }
+    # No lifespan: no health checks mark the (unreachable) instances down.
+    body = (
+        TestClient(build_app(settings_from_dict(data)))
+        .get("/admin/macro-instances", headers=AUTH)
+        .json()
+    )
+    assert body["policy"] == "rolling_activation"
+    members = [
+        m["id"] if isinstance(m, dict) else m
+        for macro in body["macro_instances"]
+        for m in macro["members"]
+    ]
+    assert sorted(members) == ["c0", "c1", "c2", "c3"]
+    with TestClient(build_app(settings_from_dict(BASE))) as c:
+        assert c.get("/admin/macro-instances", headers=AUTH).status_code == 404

@@ -115,6 +115,9 @@ def test_bad_trace_line_names_file_and_line(tmp_path: Path, capsys) -> None:
         (["--prefill", "0"], "prefill"),
         (["--speed", "0"], "speed"),
         (["--profile", "gpt-9"], "gpt-9"),
+        (["--param", "macro_size"], "KEY=VALUE"),
+        (["--compare", "least_load", "--param", "macro_size=4"], "not a parameter"),
+        (["--compare", "rolling_activation", "--param", "macro_size=2.5"], "expected int"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(trace: Path, capsys, args, needle) -> None:
@@ -143,3 +146,13 @@ def test_sim_cache_subcommand(trace: Path, capsys) -> None:
     got = {(r["policy"], r["capacity_blocks"]): r["hit_ratio"] for r in data["results"]}
     assert set(got) == {("lru", 10), ("lru", None), ("lfu", 10), ("lfu", None)}
     assert got[("lru", 10)] <= got[("lru", None)]
+
+
+def test_policy_params_and_link_bandwidth(trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["sim", str(trace), "--colocated", "4", "--quiet", "--profile", "llama3-8b-h100-tp1"]
+    args += ["--compare", "rolling_activation", "--param", "macro_size=2"]
+    args += ["--param", "max_window_s=1", "--link-gbps", "10", "--json", str(out)]
+    assert main(args) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["policy"] == "rolling_activation" and run["requests"] == 150

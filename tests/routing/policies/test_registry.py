@@ -14,6 +14,7 @@ EXPECTED = {
     "sglang_cache_aware",
     "dynamo_kv",
     "llmd_weighted",
+    "rolling_activation",
 }
 
 

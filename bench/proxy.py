@@ -1,0 +1,405 @@
+"""Proxy benchmark: kvgate against sglang-router and vllm-router, alternating with direct runs.
+
+4 stub engines (bench/stub_engine.py) on 127.0.0.1; kvgate (colocated pool, kvcache_centric,
+predictive admission) and the Rust routers in front of them; wrk (one thread, keep-alive
+connections) sends chat completions: 256 distinct ~1 KB prompts with a shared system prompt,
+16 output tokens. Modes: ns (non-streaming), s (streaming, 16 tokens in a burst), sd
+(streaming paced at 1 ms per token; the stubs are restarted with --delay-ms 1).
+
+For every round, mode and concurrency the order is direct, T1, direct, T2, ..., direct; each
+target run is compared with the mean of the direct runs on either side (direct = wrk against
+one stub). CPU per request is utime+stime of the target's whole process tree over the run,
+divided by the requests wrk completed. Added TTFT at c=1 comes from a keep-alive streaming
+client (median over sequential requests, paced stubs). Results: JSON (--out) and markdown
+tables on stdout. Every process started here is ended by its PID.
+
+    python -m bench.proxy --out out/proxy-bench.json            # full run, ~25 min
+    python -m bench.proxy --quick --out /tmp/proxy-quick.json   # smoke: c=1,16, 2 s runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import proxy_load as load
+from bench import proxy_targets as tg
+
+MODES = {"ns": (False, 0.0), "s": (True, 0.0), "sd": (True, 1.0)}  # stream, stub delay ms
+SGLANG = ("sglang-rr", "sglang-ca")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.proxy",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Targets: " + ", ".join(tg.ALL_TARGETS),
+    )
+    p.add_argument("--out", default="out/proxy-bench.json", help="JSON result file")
+    p.add_argument("--targets", nargs="+", default=list(tg.ALL_TARGETS), choices=tg.ALL_TARGETS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--conc", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--duration", type=int, default=5, help="seconds per wrk run")
+    p.add_argument("--rounds", type=int, default=2, help="results are medians over rounds")
+    p.add_argument("--warmup", type=int, default=1, help="seconds of warm-up per target/phase")
+    p.add_argument("--tokens", type=int, default=16, help="output tokens per request")
+    p.add_argument("--ttft-n", type=int, default=30, help="sequential requests per TTFT probe")
+    p.add_argument("--workdir", default="/tmp/kvgate-bench", help="router venvs, logs, lua")
+    p.add_argument("--base-port", type=int, default=18000)
+    p.add_argument("--no-install", action="store_true", help="do not pip-install the routers")
+    p.add_argument("--max-total-s", type=float, default=3600, help="stop starting new runs after")
+    p.add_argument("--quick", action="store_true", help="smoke test: c=1,16, 2 s, 1 round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.conc, args.duration, args.rounds, args.ttft_n = [1, 16], 2, 1, 15
+    return args
+
+
+def machine_info() -> dict:
+    cpu = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args, self.workdir = args, workdir
+        self.wrk = load.ensure_wrk()
+        self.lua = load.write_lua(Path(tempfile.mkdtemp(prefix="lua-", dir=workdir)))
+        self.versions: dict[str, str | None] = {"kvgate": _kvgate_version()}
+        self.unavailable: dict[str, str] = {}
+        self.stubs: list[tg.Proc] = []
+        self.targets: dict[str, tg.Proc] = {}
+        self.raw: list[dict] = []
+        self.ttft_raw: list[dict] = []
+        self.rss: dict[str, float] = {}
+        self.deadline = time.monotonic() + args.max_total_s
+        self.truncated = False
+
+    def install(self) -> None:
+        for venv in {tg.ROUTER_TARGETS[t][0] for t in self.args.targets if t != "kvgate"}:
+            version, error = tg.ensure_router(self.workdir, venv, not self.args.no_install)
+            self.versions[tg.ROUTERS[venv][1]] = version
+            if error:
+                for t, (v, _) in tg.ROUTER_TARGETS.items():
+                    if v == venv and t in self.args.targets:
+                        self.unavailable[t] = error
+
+    # ------------------------------------------------------------ processes
+    def start(self, delay_ms: float) -> None:
+        base = self.args.base_port
+        self.stubs = [tg.stub_proc(self.workdir, base + 1 + i, delay_ms) for i in range(4)]
+        for s in self.stubs:
+            s.start()
+        for s in self.stubs:
+            if not tg.wait_ready(s, 20):
+                raise RuntimeError(f"stub {s.name} did not start: {s.error}")
+        urls = [s.url for s in self.stubs]
+        ports = {"kvgate": base + 100, "sglang-rr": base + 110, "sglang-ca": base + 111}
+        ports |= {"vllm-rr": base + 120, "vllm-ca": base + 121}
+        for name in self.args.targets:
+            if name in self.unavailable:
+                continue
+            if name == "kvgate":
+                proc = tg.kvgate_proc(self.workdir, urls, ports[name])
+            else:
+                proc = tg.router_proc(self.workdir, name, urls, ports[name])
+            proc.start()
+            self.targets[name] = proc
+        for name, proc in list(self.targets.items()):
+            if not tg.wait_ready(proc, 60):
+                self.unavailable[name] = f"failed to start: {proc.error}"
+                proc.stop()
+                del self.targets[name]
+
+    def stop(self) -> None:
+        for proc in [*self.targets.values(), *self.stubs]:
+            self.rss.setdefault(proc.name, round(tg.rss_mb(proc.refresh_pids()), 1))
+            proc.stop()
+        self.targets, self.stubs = {}, []
+
+    # ------------------------------------------------------------ runs
+    def one(self, name: str, mode: str, c: int, duration: int, rnd: int | None) -> dict:
+        proc = self.targets.get(name)
+        url = (proc.url if proc else self.stubs[0].url) + load.CHAT_PATH
+        pids = proc.refresh_pids() if proc else []
+        stub_pids = [p for s in self.stubs for p in s.refresh_pids()]
+        cpu0, stub0 = tg.cpu_seconds(pids), tg.cpu_seconds(stub_pids)
+        busy0, ru0, t0 = tg.machine_busy_seconds(), _children_cpu(), time.monotonic()
+        res = load.run_wrk(self.wrk, self.lua, url, c, duration, MODES[mode][0], self.args.tokens)
+        wall = time.monotonic() - t0
+        cpu, stub_cpu = tg.cpu_seconds(pids) - cpu0, tg.cpu_seconds(stub_pids) - stub0
+        n = res["requests"] or 1
+        res.update(target=name, mode=mode, c=c, round=rnd)
+        res["cpu_us_per_req"] = round(cpu / n * 1e6, 1) if proc else None
+        res["stub_cpu_us_per_req"] = round(stub_cpu / n * 1e6, 1)
+        res["wrk_cpu_us_per_req"] = round((_children_cpu() - ru0) / n * 1e6, 1)
+        res["machine_busy_cores"] = round((tg.machine_busy_seconds() - busy0) / wall, 2)
+        if rnd is not None:
+            self.raw.append(res)
+        return res
+
+    def phase(self, modes: list[str], rounds: int) -> None:
+        a = self.args
+        names = [t for t in a.targets if t in self.targets]
+        for mode in modes:
+            for name in ["direct", *names]:  # warm-up, not recorded
+                self.one(name, mode, max(a.conc), a.warmup, None)
+        for rnd in range(rounds):
+            order = names[rnd % len(names) :] + names[: rnd % len(names)] if names else []
+            for mode in modes:
+                for c in a.conc:
+                    if time.monotonic() > self.deadline:
+                        self.truncated = True
+                        return
+                    self.one("direct", mode, c, a.duration, rnd)
+                    for name in order:
+                        r = self.one(name, mode, c, a.duration, rnd)
+                        self.one("direct", mode, c, a.duration, rnd)
+                        print(
+                            f"  r{rnd} {mode:2} c={c:<3} {name:10} {r['rps']:8.0f} req/s "
+                            f"p50 {r['p50_ms'] or 0:7.2f} ms  cpu {r['cpu_us_per_req']} us/req",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+
+    def ttft(self, rounds: int) -> None:
+        names = [t for t in self.args.targets if t in self.targets]
+        for rnd in range(rounds):
+            for name in ["direct", *names]:
+                proc = self.targets.get(name)
+                url = proc.url if proc else self.stubs[0].url
+                res = load.measure_ttft(url, self.args.ttft_n, self.args.tokens)
+                self.ttft_raw.append({"target": name, "round": rnd, **res})
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _kvgate_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("kvgate")
+    except Exception:  # not installed: running from a checkout
+        return None
+
+
+def _med(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 3) if vals else None
+
+
+def aggregate(raw: list[dict]) -> list[dict]:
+    """Per (target, mode, c): medians over rounds, each target run paired with the mean of the
+    direct runs on either side of it."""
+    seqs: dict[tuple, list[dict]] = {}
+    for r in raw:
+        seqs.setdefault((r["round"], r["mode"], r["c"]), []).append(r)
+    per: dict[tuple, list[dict]] = {}
+    for seq in seqs.values():
+        for i, r in enumerate(seq):
+            if r["target"] == "direct":
+                continue
+            d = [x for x in (seq[i - 1], seq[i + 1] if i + 1 < len(seq) else None) if x]
+            d = [x for x in d if x["target"] == "direct"]
+            p50s = [x["p50_ms"] for x in d if x["p50_ms"] is not None]
+            pair = dict(r)
+            pair["direct_rps"] = statistics.mean(x["rps"] for x in d) if d else None
+            pair["direct_p50_ms"] = statistics.mean(p50s) if p50s else None
+            pair["added_p50_ms"] = (
+                r["p50_ms"] - pair["direct_p50_ms"]
+                if r["p50_ms"] is not None and pair["direct_p50_ms"] is not None
+                else None
+            )
+            per.setdefault((r["target"], r["mode"], r["c"]), []).append(pair)
+    runs = []
+    for (target, mode, c), pairs in per.items():
+        row = {"target": target, "mode": mode, "c": c}
+        for k in ("rps", "p50_ms", "p99_ms", "cpu_us_per_req", "direct_rps", "direct_p50_ms"):
+            row[k] = _med([p[k] for p in pairs])
+        row["added_p50_ms"] = _med([p["added_p50_ms"] for p in pairs])
+        row["rps_ratio"] = _med([p["rps"] / p["direct_rps"] for p in pairs if p["direct_rps"]])
+        row["stub_cpu_us_per_req"] = _med([p["stub_cpu_us_per_req"] for p in pairs])
+        row["machine_busy_cores"] = _med([p["machine_busy_cores"] for p in pairs])
+        row["errors"] = sum(p["errors"] + p["non_2xx"] for p in pairs)
+        row["rounds"] = len(pairs)
+        runs.append(row)
+    order = {m: i for i, m in enumerate(MODES)}
+    runs.sort(key=lambda r: (order[r["mode"]], r["c"], r["target"]))
+    return runs
+
+
+def aggregate_ttft(raw: list[dict]) -> list[dict]:
+    direct = {r["round"]: r.get("ttft_p50_ms") for r in raw if r["target"] == "direct"}
+    out: dict[str, dict] = {}
+    for r in raw:
+        row = out.setdefault(r["target"], {"target": r["target"], "_t": [], "_a": [], "_tot": []})
+        if "error" in r:
+            row["error"] = r["error"]
+            continue
+        row["_t"].append(r["ttft_p50_ms"])
+        row["_tot"].append(r["total_p50_ms"])
+        if direct.get(r["round"]) is not None:
+            row["_a"].append(r["ttft_p50_ms"] - direct[r["round"]])
+    for row in out.values():
+        row["ttft_p50_ms"] = _med(row.pop("_t"))
+        row["added_ttft_ms"] = _med(row.pop("_a"))
+        row["total_p50_ms"] = _med(row.pop("_tot"))
+    return list(out.values())
+
+
+def summarize(runs: list[dict], ttft: list[dict], conc: list[int]) -> dict:
+    cmax = max(conc)
+    get = {(r["target"], r["mode"], r["c"]): r for r in runs}
+    tt = {r["target"]: r for r in ttft}
+    checks: dict = {"c_used_for_load_targets": cmax}
+    added = (tt.get("kvgate") or {}).get("added_ttft_ms")
+    checks["added_ttft_c1"] = {"kvgate_ms": added, "limit_ms": 1.0}
+    checks["added_ttft_c1"]["met"] = added is not None and added <= 1.0
+    for mode in ("s", "sd"):
+        kv = get.get(("kvgate", mode, cmax))
+        ratios = {
+            sg: round(kv["cpu_us_per_req"] / get[(sg, mode, cmax)]["cpu_us_per_req"], 2)
+            for sg in SGLANG
+            if kv and (sg, mode, cmax) in get and get[(sg, mode, cmax)]["cpu_us_per_req"]
+        }
+        by_c = {}
+        for c in conc:  # for information: the target is judged at the highest c
+            k = get.get(("kvgate", mode, c))
+            by_c[c] = {
+                sg: round(k["cpu_us_per_req"] / get[(sg, mode, c)]["cpu_us_per_req"], 2)
+                for sg in SGLANG
+                if k and (sg, mode, c) in get and get[(sg, mode, c)]["cpu_us_per_req"]
+            }
+        checks[f"cpu_stream_{mode}"] = {
+            "kvgate_us": kv["cpu_us_per_req"] if kv else None,
+            "ratio_vs": ratios,
+            "limit_ratio": 1.5,
+            "met": bool(ratios) and max(ratios.values()) <= 1.5,
+            "ratio_by_c": by_c,
+        }
+    kv = get.get(("kvgate", "sd", cmax))
+    sg_rps = {sg: get[(sg, "sd", cmax)]["rps"] for sg in SGLANG if (sg, "sd", cmax) in get}
+    checks["rps_paced"] = {
+        "kvgate_rps": kv["rps"] if kv else None,
+        "sglang_rps": sg_rps,
+        "ratio_vs": {sg: round(kv["rps"] / v, 2) for sg, v in sg_rps.items() if kv and v},
+    }
+    checks["rps_paced"]["met"] = bool(kv and sg_rps) and all(
+        kv["rps"] >= v for v in sg_rps.values()
+    )
+    checks["all_met"] = all(v.get("met") for v in checks.values() if isinstance(v, dict))
+    return checks
+
+
+def _f(v, nd: int = 2) -> str:
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def tables(result: dict) -> str:
+    names = {"ns": "Non-streaming", "s": "Streaming, 16-token burst", "sd": "Streaming, 1 ms/token"}
+    out = []
+    for mode, title in names.items():
+        rows = [r for r in result["runs"] if r["mode"] == mode]
+        if not rows:
+            continue
+        out += [f"### {title} ({mode})", ""]
+        out.append(
+            "| c | target | req/s | direct req/s | ratio | p50 ms | direct p50 | added p50 ms "
+            "| p99 ms | CPU µs/req | errors |"
+        )
+        out.append("|---" * 11 + "|")
+        for r in rows:
+            cells = [r["c"], r["target"], _f(r["rps"], 0), _f(r["direct_rps"], 0)]
+            cells += [_f(r["rps_ratio"]), _f(r["p50_ms"]), _f(r["direct_p50_ms"])]
+            cells += [_f(r["added_p50_ms"]), _f(r["p99_ms"]), _f(r["cpu_us_per_req"], 0)]
+            cells.append(r["errors"])
+            out.append("| " + " | ".join(str(x) for x in cells) + " |")
+        out.append("")
+    if result["ttft"]:
+        out += ["### TTFT at c=1 (keep-alive, stubs at 1 ms/token)", ""]
+        out += ["| target | TTFT p50 ms | added TTFT ms | total p50 ms |", "|---|---|---|---|"]
+        for r in result["ttft"]:
+            tot = _f(r.get("total_p50_ms"))
+            ttft_cells = f"{_f(r.get('ttft_p50_ms'))} | {_f(r.get('added_ttft_ms'))}"
+            out.append(f"| {r['target']} | {ttft_cells} | {tot} |" + (r.get("error") or ""))
+        out.append("")
+    out += ["### Targets", "", "```", json.dumps(result["summary"], indent=1), "```"]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    bench = Bench(args, workdir)
+    bench.install()
+    t0 = time.monotonic()
+    phases = [
+        (0.0, [m for m in args.modes if m != "sd"]),
+        (1.0, [m for m in args.modes if m == "sd"]),
+    ]
+    try:
+        for delay, modes in phases:
+            if not modes and delay == 0.0:
+                continue
+            print(f"phase: stubs --delay-ms {delay}, modes {modes}", file=sys.stderr, flush=True)
+            bench.start(delay)
+            if modes:
+                bench.phase(modes, args.rounds)
+            if delay:  # TTFT with paced stubs
+                bench.ttft(args.rounds)
+            bench.stop()
+    finally:
+        bench.stop()
+    machine["loadavg_end"] = os.getloadavg()
+    runs = aggregate(bench.raw)
+    ttft = aggregate_ttft(bench.ttft_raw)
+    result = {
+        "machine": machine,
+        "versions": bench.versions,
+        "unavailable": bench.unavailable,
+        "params": {k: v for k, v in vars(args).items()},
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        "truncated": bench.truncated,
+        "rss_mb_after": bench.rss,
+        "runs": runs,
+        "ttft": ttft,
+        "summary": summarize(runs, ttft, args.conc),
+        "raw": bench.raw,
+        "ttft_raw": bench.ttft_raw,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(tables(result))
+    print(f"\nwritten: {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
