@@ -251,7 +251,8 @@ class Response:
                 raise self._exc
             if self.done:
                 return None
-            await self._wait()
+            w = self._waiter = self.loop.create_future()  # wake() resolves and clears it
+            await w
 
     @property
     def complete(self) -> bool:
