@@ -82,6 +82,27 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
+# The keys every run summary has (the contract `kvgate sim --json` and `kvgate replay` keep).
+REQUIRED_KEYS = (
+    "policy",
+    "admission",
+    "requests",
+    "admitted",
+    "rejected",
+    "rejected_after_prefill",
+    "goodput_rps",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "tbt_p50_s",
+    "tbt_p99_s",
+    "slo_attainment",
+    "cache_hit_ratio",
+    "wall_s",
+)
+
+
 def summarize(run: RunResult, *, bucket_s: float = 10.0) -> dict[str, Any]:
     """Summary metrics of one run as a JSON-ready dict (see the module docstring)."""
     reqs = run.requests

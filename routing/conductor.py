@@ -229,7 +229,7 @@ class Conductor:
             cached_tokens=option.cached_tokens,
             prompt_tokens=req.prompt_tokens,
             policy=self.policy.name,
-            reason=_reason(option),
+            reason=option.reason,
             priority=slo.priority.name,
             slo_ttft_s=slo.ttft_s,
             slo_tbt_s=slo.tbt_s,
@@ -447,13 +447,3 @@ class Conductor:
             elif cmd.destination in self.instances:
                 self.index.apply(cmd.destination, BlockStored(cmd.block_hashes, tier), now)
         return self.planner.complete(command_id, ok, now)
-
-
-def _reason(option: PrefillOption) -> str:
-    if option.pull_source == "store":
-        return "load_from_store"
-    if option.pull_source is not None:
-        return "pull_prefix"
-    if option.cached_blocks:
-        return "local_prefix"
-    return "no_prefix"

@@ -38,6 +38,14 @@ class PrefillOption:
     pull_source: str | None = None  # holder instance id or STORE_SOURCE
     pull_from_block: int = 0  # first block index pulled (the instance's local prefix length)
 
+    @property
+    def reason(self) -> str:
+        if self.pull_source == STORE_SOURCE:
+            return "load_from_store"
+        if self.pull_source is not None:
+            return "pull_prefix"
+        return "local_prefix" if self.cached_blocks else "no_prefix"
+
 
 class TTFTEstimator:
     __slots__ = (

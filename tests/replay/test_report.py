@@ -6,6 +6,7 @@ import math
 import pytest
 
 from replay.report import (
+    REQUIRED_KEYS,
     format_table,
     load_timeline,
     oscillation,
@@ -267,24 +268,7 @@ def test_write_json_round_trip(tmp_path) -> None:
     data = json.loads(path.read_text())
     assert data["trace"] == "x.jsonl"
     assert [r["label"] for r in data["runs"]] == ["kvcache_centric+predictive", "empty"]
-    for key in (
-        "policy",
-        "admission",
-        "requests",
-        "admitted",
-        "rejected",
-        "rejected_after_prefill",
-        "goodput_rps",
-        "ttft_mean_s",
-        "ttft_p50_s",
-        "ttft_p90_s",
-        "ttft_p99_s",
-        "tbt_p50_s",
-        "tbt_p99_s",
-        "slo_attainment",
-        "cache_hit_ratio",
-        "wall_s",
-    ):
+    for key in REQUIRED_KEYS:
         assert key in data["runs"][0] and key in data["runs"][1], key
     assert data["runs"][0]["cache_hit_ratio"] == pytest.approx(170 / 600)
     assert data["runs"][1]["ttft_p50_s"] is None

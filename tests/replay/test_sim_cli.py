@@ -8,26 +8,10 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
+from replay.report import REQUIRED_KEYS
 from replay.synthetic import chat_spec, generate, write_mooncake
 
-REQUIRED = {
-    "policy",
-    "admission",
-    "requests",
-    "admitted",
-    "rejected",
-    "rejected_after_prefill",
-    "goodput_rps",
-    "ttft_mean_s",
-    "ttft_p50_s",
-    "ttft_p90_s",
-    "ttft_p99_s",
-    "tbt_p50_s",
-    "tbt_p99_s",
-    "slo_attainment",
-    "cache_hit_ratio",
-    "wall_s",
-}
+REQUIRED = set(REQUIRED_KEYS)
 
 
 @pytest.fixture
