@@ -21,7 +21,7 @@ import contextlib
 import functools
 import json
 import random
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -95,6 +95,11 @@ class UpstreamResponse:
             raise UpstreamError(self.instance_id, None, f"stream broke: {exc!r}") from exc
         return chunk or None
 
+    def chunk_reader(self) -> Callable[[], Awaitable[bytes | None]]:
+        """``next_chunk`` for a relay loop, which may raise ``OSError`` for a broken stream
+        as well as ``UpstreamError`` (the caller names the instance)."""
+        return self.next_chunk
+
     @property
     def complete(self) -> bool:
         """The body has been read to its end (the last chunk is out)."""
@@ -137,6 +142,10 @@ class Http1UpstreamResponse(UpstreamResponse):
             return await self._resp.next_chunk()  # type: ignore[attr-defined]
         except OSError as exc:
             raise UpstreamError(self.instance_id, None, f"stream broke: {exc!r}") from exc
+
+    def chunk_reader(self) -> Callable[[], Awaitable[bytes | None]]:
+        # The connection's own reader, one coroutine frame less per chunk.
+        return self._resp.next_chunk  # type: ignore[attr-defined,no-any-return]
 
     @property
     def complete(self) -> bool:

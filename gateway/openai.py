@@ -20,6 +20,7 @@ from routing.types import RequestInfo
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+_TOKEN_ID_LIMIT = 1 << 32  # block hashing packs ids as uint32
 
 
 class BadRequest(Exception):
@@ -34,25 +35,31 @@ def error_body(message: str, type_: str, *, param: str | None = None, code: str 
     ).encode()
 
 
-def prompt_tokens(path: str, body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
+def prompt_blocks(
+    path: str, body: Mapping[str, Any], tokenizer: Tokenizer, hasher: BlockHasher
+) -> tuple[tuple[int, ...], int]:
+    """``(block hashes, prompt token count)`` of the request's prompt."""
     if path == CHAT:
         try:
-            return tokenizer.encode(chat_prompt_text(body.get("messages")))
+            text = chat_prompt_text(body.get("messages"))
         except PromptError as exc:
             raise BadRequest(str(exc), exc.param) from None
+        return hasher.hash_text(text, tokenizer)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' must not be empty", "prompt")
-        return tokenizer.encode(prompt)
+        return hasher.hash_text(prompt, tokenizer)
     if (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return prompt
+        if not all(0 <= t < _TOKEN_ID_LIMIT for t in prompt):
+            raise BadRequest("token ids must be in [0, 2^32)", "prompt")
+        return hasher.hash_tokens(prompt), len(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
     raise BadRequest("'prompt' must be a string or an array of token ids", "prompt")
@@ -108,7 +115,7 @@ def parse_request(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
-    tokens = prompt_tokens(path, body, tokenizer)
+    blocks, n_tokens = prompt_blocks(path, body, tokenizer, hasher)
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     priority = headers.get("x-kvgate-priority")
     if priority is not None:
@@ -118,10 +125,9 @@ def parse_request(
                 f"unknown priority {priority!r} (known: {', '.join(names)})",
                 "x-kvgate-priority",
             )
-    blocks = hasher.hash_tokens(tokens)
     info = RequestInfo(
         request_id=request_id,
-        prompt_tokens=len(tokens),
+        prompt_tokens=n_tokens,
         block_hashes=blocks,
         max_tokens=max_tokens or settings.predictors.default_output_tokens,
         arrival_s=now,

@@ -33,11 +33,47 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 _TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
-_GAP_FLUSH = 64  # add time-between-chunks samples to the histogram in batches
+_WATCH_AFTER_S = 0.05
+_GAP_FLUSH = 256  # add time-between-chunks samples to the histogram in batches
 # Request ids the gateway makes: a random per-process prefix and a counter (32 hex digits, as
 # uuid4().hex, at a fraction of its cost).
 _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count(1)
+
+
+class _ClientWatch:
+    """Closes the engine legs (which aborts them) when the client goes away mid-answer.
+
+    ASGI reports a disconnect only to ``receive()``, so this needs a task waiting on it; the
+    task starts once an answer has run for ``_WATCH_AFTER_S`` (most answers end sooner; a
+    disconnect before then is noticed when it starts, the ASGI server remembers it).
+    """
+
+    __slots__ = ("_receive", "_task", "_timer", "_upstream", "disconnected")
+
+    def __init__(self, receive: Receive, upstream: UpstreamResponse) -> None:
+        self._receive, self._upstream = receive, upstream
+        self._task: asyncio.Task[None] | None = None
+        self.disconnected = False
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            _WATCH_AFTER_S, self._start
+        )
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self._upstream.close()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 def new_request_id() -> str:
@@ -134,22 +170,29 @@ class CompletionHandler:
             span.set_attribute("kvgate.request_id", request_id)
             await self._serve(parsed, scope["path"], raw, receive, send)
 
-    def _decide(self, parsed: ParsedRequest) -> Decision | Rejection:
+    def _decide(self, parsed: ParsedRequest) -> tuple[Decision | Rejection, float]:
         gw = self.gw
         if gw.tracing.enabled:
             with gw.tracing.tracer.start_as_current_span("kvgate.decision"):
                 return self._decide_now(parsed)
         return self._decide_now(parsed)
 
-    def _decide_now(self, parsed: ParsedRequest) -> Decision | Rejection:
+    def _decide_now(self, parsed: ParsedRequest) -> tuple[Decision | Rejection, float]:
+        """The decision (booked if placed) and the seconds it took."""
         gw = self.gw
         t0 = time.perf_counter()
         now = gw.clock()
         out = gw.conductor.schedule(parsed.info, now)
         if isinstance(out, Decision):
             gw.conductor.dispatched(out, parsed.info, now)
-        gw.metrics.decision.observe(time.perf_counter() - t0)
-        return out
+        return out, time.perf_counter() - t0
+
+    def _account(self, d: Decision, record: DecisionRecord, decision_s: float) -> None:
+        """What only reports need; runs while the engine works, off the time to first token."""
+        gw = self.gw
+        gw.metrics.decision.observe(decision_s)
+        gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
+        gw.learner.record(record)
 
     async def _serve(
         self, parsed: ParsedRequest, path: str, raw: bytes, receive: Receive, send: Send
@@ -158,8 +201,9 @@ class CompletionHandler:
         rid = parsed.info.request_id
         retries = gw.settings.server.max_retries
         while True:
-            decision = self._decide(parsed)
+            decision, decision_s = self._decide(parsed)
             if isinstance(decision, Rejection):
+                gw.metrics.decision.observe(decision_s)
                 gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
                 self._rejected.inc()
                 await send_json(send, *rejection_response(decision, rid))
@@ -171,7 +215,6 @@ class CompletionHandler:
                         asyncio.shield(asyncio.gather(*pulls)),
                         gw.settings.replication.timeout_s,
                     )
-            gw.metrics.placed(decision.prompt_tokens, decision.cached_tokens)
             record = DecisionRecord(
                 rid,
                 gw.clock(),
@@ -184,7 +227,7 @@ class CompletionHandler:
                 decision.predicted_ttft_s,
                 decision.predicted_tbt_s,
             )
-            gw.learner.record(record)
+            asyncio.get_running_loop().call_soon(self._account, decision, record, decision_s)
             try:
                 upstream = await self._open(parsed, path, raw, decision)
                 break
@@ -208,12 +251,9 @@ class CompletionHandler:
         headers = {"X-Request-Id": parsed.info.request_id}
         if gw.tracing.enabled:
             gw.tracing.inject(headers)
-        prefill_done_at: list[float] = []
 
         def prefill_done() -> None:
-            now = gw.clock()
-            prefill_done_at.append(now)
-            gw.conductor.prefill_done(parsed.info.request_id, now)
+            gw.conductor.prefill_done(parsed.info.request_id, gw.clock())
 
         plan = ForwardPlan(
             request_id=parsed.info.request_id,
@@ -254,17 +294,7 @@ class CompletionHandler:
     ) -> None:
         gw = self.gw
         rid = parsed.info.request_id
-        start = gw.clock()
-        disconnected = False
-
-        async def watch() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            upstream.close()  # aborts the engine legs
-
-        watcher = asyncio.create_task(watch())
+        watch = _ClientWatch(receive, upstream)
         tokens = 0
         try:
             await send(
@@ -278,7 +308,7 @@ class CompletionHandler:
                 }
             )
             if parsed.stream:
-                tokens = await self._stream(upstream, record, send, start)
+                tokens = await self._stream(upstream, record, send)
             else:
                 body = await upstream.read()
                 now = gw.clock()
@@ -294,7 +324,7 @@ class CompletionHandler:
         except (UpstreamError, OSError, asyncio.CancelledError) as exc:
             upstream.close()
             gw.conductor.failed(rid, gw.clock())
-            if disconnected:
+            if watch.disconnected:
                 record.outcome = "client_disconnected"
                 self._disconnected.inc()
             else:
@@ -306,22 +336,26 @@ class CompletionHandler:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            watcher.cancel()
+            watch.stop()
 
-    async def _stream(
-        self, upstream: UpstreamResponse, record: DecisionRecord, send: Send, start: float
-    ) -> int:
+    async def _stream(self, upstream: UpstreamResponse, record: DecisionRecord, send: Send) -> int:
+        """Relays the SSE answer chunk by chunk; returns the tokens it carried."""
         gw = self.gw
         rid = record.request_id
         clock = gw.clock
         conductor = gw.conductor
-        tokens = unreported = 0
-        last = first = None
-        next_chunk = upstream.next_chunk
-        gaps: list[float] = []  # time between chunks, added to the histogram in batches
+        next_chunk = upstream.chunk_reader()
+        stamps: list[float] = []  # arrival of each chunk: the TBT histogram's samples
+        first = 0.0
+        tokens = reported = 0
         try:
             while True:
-                chunk = await next_chunk()
+                try:
+                    chunk = await next_chunk()
+                except OSError as exc:
+                    raise UpstreamError(
+                        upstream.instance_id, None, f"stream broke: {exc!r}"
+                    ) from exc
                 if chunk is None:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     break
@@ -330,29 +364,25 @@ class CompletionHandler:
                 # the chunk goes out first, the books after.
                 end = upstream.complete
                 await send({"type": "http.response.body", "body": chunk, "more_body": not end})
-                if first is None:
+                if not stamps:
                     first = now
                     record.observed_ttft_s = conductor.first_token(rid, now)
                     if record.observed_ttft_s is not None:
                         gw.metrics.ttft.observe(record.observed_ttft_s)
-                else:
-                    gaps.append(now - last)  # type: ignore[operator]
-                    if len(gaps) >= _GAP_FLUSH:
-                        observe_all(gw.metrics.tbt, gaps)
-                        gaps.clear()
-                last = now
-                n = count_stream_tokens(chunk)
-                tokens += n
-                unreported += n
-                if unreported >= _TOKEN_FLUSH:
-                    conductor.tokens(rid, unreported, now)
-                    unreported = 0
+                elif len(stamps) >= _GAP_FLUSH:
+                    observe_gaps(gw.metrics.tbt, stamps)
+                    del stamps[:-1]
+                stamps.append(now)
+                tokens += count_stream_tokens(chunk)
+                if tokens - reported >= _TOKEN_FLUSH:
+                    conductor.tokens(rid, tokens - reported, now)
+                    reported = tokens
                 if end:
                     break
         finally:
-            observe_all(gw.metrics.tbt, gaps)
-        if first is not None and last is not None and tokens > 1:
-            record.observed_tbt_s = (last - first) / (tokens - 1)
+            observe_gaps(gw.metrics.tbt, stamps)
+        if tokens > 1:
+            record.observed_tbt_s = (stamps[-1] - first) / (tokens - 1)
         return tokens
 
     def _learn(self, parsed: ParsedRequest, d: Decision, rec: DecisionRecord, now: float):
@@ -379,25 +409,27 @@ class CompletionHandler:
 _COMPLETION_TOKENS = b'"completion_tokens"'
 
 
-def observe_all(hist: Any, values: list[float]) -> None:
-    """``hist.observe(v)`` for every value, with one locked increment per bucket touched and
-    one for the sum instead of two per value (prometheus_client has no batch observe; if its
-    internals change, this falls back to observing one by one)."""
-    if not values:
+def observe_gaps(hist: Any, stamps: list[float]) -> None:
+    """``hist.observe(b - a)`` for every pair of consecutive stamps, with one locked increment
+    per bucket touched and one for the sum, instead of two per value (prometheus_client has no
+    batch observe; if its internals change, this falls back to observing one by one)."""
+    if len(stamps) < 2:
         return
     try:
         bounds, buckets, total = hist._upper_bounds, hist._buckets, hist._sum
     except AttributeError:  # pragma: no cover - another prometheus_client layout
-        for v in values:
-            hist.observe(v)
+        for a, b in itertools.pairwise(stamps):
+            hist.observe(b - a)
         return
-    counts: dict[int, int] = {}
-    for v in values:
-        i = bisect_left(bounds, v)  # the first bucket with v <= bound, as observe() does
-        counts[i] = counts.get(i, 0) + 1
-    for i, n in counts.items():
-        buckets[i].inc(n)
-    total.inc(sum(values))
+    counts = [0] * len(bounds)
+    prev = stamps[0]
+    for t in itertools.islice(stamps, 1, None):
+        counts[bisect_left(bounds, t - prev)] += 1  # the first bucket with gap <= bound
+        prev = t
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+    total.inc(stamps[-1] - stamps[0])
 
 
 def _usage_tokens(body: bytes) -> int:

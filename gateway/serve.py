@@ -45,6 +45,8 @@ def main(args: argparse.Namespace) -> int:
         port=port,
         log_level=args.log_level,
         access_log=False,
+        proxy_headers=False,  # this is the proxy: no X-Forwarded-* rewriting per request
+        server_header=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
     )

@@ -14,43 +14,37 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
-from array import array
 from collections.abc import Sequence
 
-from routing.tokenizer import Tokenizer
+from routing.tokenizer import Tokenizer, pack_token_ids
 
 HASH_BITS = 63
 HASH_MASK = (1 << HASH_BITS) - 1
 _ROOT = bytes(8)  # parent of block 0; the seed is already in the key
-# array('I') is 32-bit on every platform CPython supports, but check rather than assume.
-_UINT32 = "I" if array("I").itemsize == 4 else "L"
-_BIG_ENDIAN = sys.byteorder == "big"
-
-
-def _pack_u32(token_ids: Sequence[int]) -> bytes:
-    """Tokens as little-endian uint32 bytes (measured faster than struct.pack and numpy)."""
-    try:
-        packed = array(_UINT32, token_ids)
-    except OverflowError as exc:
-        raise ValueError("token ids must be in [0, 2^32)") from exc
-    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI
-        packed.byteswap()
-    return packed.tobytes()
 
 
 class BlockHasher:
-    """Chained hashes of a token sequence's full ``block_size``-token blocks."""
+    """Chained hashes of a token sequence's full ``block_size``-token blocks.
 
-    __slots__ = ("_base", "_block_size", "_seed")
+    Digests of recently hashed blocks are remembered (keyed by parent digest + block bytes,
+    so a hit is exactly the hash it replaces): prompts that share a prefix, the case prefix
+    caching exists for, hash only their new blocks. At most ``memo_blocks`` are kept; when
+    full the memo starts over (no LRU bookkeeping on the hot path), ~200 bytes per entry.
+    """
 
-    def __init__(self, block_size: int, seed: int = 0) -> None:
+    __slots__ = ("_base", "_block_size", "_memo", "_memo_blocks", "_seed")
+
+    def __init__(self, block_size: int, seed: int = 0, memo_blocks: int = 32_768) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0 <= seed < 1 << 64:
             raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+        if memo_blocks < 0:
+            raise ValueError(f"memo_blocks must be >= 0, got {memo_blocks}")
         self._block_size = block_size
         self._seed = seed
+        self._memo: dict[bytes, bytes] = {}
+        self._memo_blocks = memo_blocks
         # Keyed BLAKE2b spends one compression on the key block; copying a pre-keyed state
         # instead of re-keying per block makes hashing ~30% faster.
         self._base = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
@@ -70,27 +64,43 @@ class BlockHasher:
 
     def hash_tokens(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         """One hash per full block, in order; ``()`` for fewer than ``block_size`` tokens."""
-        nbytes = self.num_blocks(token_ids) * self._block_size * 4
-        if not nbytes:
-            return ()
-        data = _pack_u32(token_ids[: nbytes // 4])
+        n = self.num_blocks(token_ids) * self._block_size
+        return self.hash_packed(pack_token_ids(token_ids[:n])) if n else ()
+
+    def hash_packed(self, data: bytes) -> tuple[int, ...]:
+        """``hash_tokens`` of token ids packed as little-endian uint32 (``pack_token_ids``)."""
         step = self._block_size * 4
+        nbytes = len(data) // step * step
         copy = self._base.copy
         from_bytes = int.from_bytes
+        memo, limit = self._memo, self._memo_blocks
+        remembered = memo.get
         out: list[int] = []
         append = out.append
-        parent = _ROOT
+        digest = _ROOT
         for off in range(0, nbytes, step):
-            h = copy()
-            h.update(parent + data[off : off + step])  # one update: cheaper than two
-            parent = h.digest()
-            append(from_bytes(parent, "little") & HASH_MASK)
+            key = digest + data[off : off + step]
+            digest = remembered(key)  # type: ignore[assignment]
+            if digest is None:
+                h = copy()
+                h.update(key)  # one update: cheaper than two
+                digest = h.digest()
+                if len(memo) >= limit:
+                    memo.clear()
+                if limit:
+                    memo[key] = digest
+            append(from_bytes(digest, "little") & HASH_MASK)
         return tuple(out)
 
     def hash_text(self, text: str, tokenizer: Tokenizer) -> tuple[tuple[int, ...], int]:
-        """``(block hashes, prompt token count)`` of a text prompt."""
-        tokens = tokenizer.encode(text)
-        return self.hash_tokens(tokens), len(tokens)
+        """``(block hashes, prompt token count)`` of a text prompt (through the tokenizer's
+        cheaper ``pack`` where it has one)."""
+        pack = getattr(tokenizer, "pack", None)
+        packed = pack(text) if pack is not None else None
+        if packed is None:
+            tokens = tokenizer.encode(text)
+            return self.hash_tokens(tokens), len(tokens)
+        return self.hash_packed(packed), len(packed) // 4
 
     def __repr__(self) -> str:
         return f"BlockHasher(block_size={self._block_size}, seed={self._seed})"

@@ -40,4 +40,5 @@ def chat_prompt_text(messages: Any) -> str:
 def count_stream_tokens(chunk: bytes) -> int:
     """Generated-token events in a chunk of an OpenAI SSE stream: events with a non-empty
     ``choices`` array (the usage-only event and ``[DONE]`` do not count)."""
-    return chunk.count(b'"choices":[{') + chunk.count(b'"choices": [{')
+    # An engine writes either compact or spaced JSON, never both in one stream.
+    return chunk.count(b'"choices":[{') or chunk.count(b'"choices": [{')

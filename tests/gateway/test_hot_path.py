@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+import itertools
 
-from gateway.proxy import _usage_tokens, new_request_id, observe_all
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+
+from gateway.proxy import _usage_tokens, new_request_id, observe_gaps
 
 
-def test_observe_all_matches_observing_one_by_one() -> None:
-    values = [0.0005, 0.001, 0.0011, 0.004, 0.02, 0.02, 0.3, 7.0, 0.0]
+def test_observe_gaps_matches_observing_each_gap() -> None:
+    stamps = [10.0, 10.0005, 10.0015, 10.0026, 10.0066, 10.0266, 10.0466, 10.3466, 17.3466]
     regs = [CollectorRegistry(), CollectorRegistry()]
     a, b = (Histogram("tbt", "x", buckets=(0.001, 0.005, 0.1, 1), registry=r) for r in regs)
-    for v in values:
-        a.observe(v)
-    observe_all(b, values)
+    for x, y in itertools.pairwise(stamps):
+        a.observe(y - x)
+    observe_gaps(b, stamps)
+    observe_gaps(b, stamps[:1])  # one stamp: no gap, nothing observed
 
-    def lines(reg: CollectorRegistry) -> list[bytes]:
-        return [x for x in generate_latest(reg).splitlines() if b"_created" not in x]
+    def samples(reg: CollectorRegistry) -> dict[str, float]:
+        return {
+            f"{s.name}{sorted(s.labels.items())}": s.value
+            for m in reg.collect()
+            for s in m.samples
+            if not s.name.endswith("_created")
+        }
 
-    assert lines(regs[0]) == lines(regs[1])
+    want, got = samples(regs[0]), samples(regs[1])
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=1e-12), key
 
 
 def test_request_ids_are_unique_32_hex_digits() -> None:

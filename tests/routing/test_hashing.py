@@ -50,6 +50,21 @@ def test_property_equals_reference(tokens: list[int], block_size: int) -> None:
     assert BlockHasher(block_size).hash_tokens(tokens) == _reference(tokens, block_size)
 
 
+@settings(max_examples=60)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 50), max_size=40), min_size=1, max_size=8),
+    memo_blocks=st.sampled_from([0, 1, 3, 1000]),
+)
+def test_memo_never_changes_a_hash_and_stays_bounded(
+    prompts: list[list[int]], memo_blocks: int
+) -> None:
+    """One hasher reused across prompts (small vocab: many repeated blocks hit the memo)."""
+    h = BlockHasher(4, memo_blocks=memo_blocks)
+    for tokens in prompts + prompts:
+        assert h.hash_tokens(tokens) == _reference(tokens, 4)
+        assert len(h._memo) <= memo_blocks
+
+
 def test_deterministic_across_processes() -> None:
     """No hash(): a fresh interpreter (different hash randomisation) gives the same ids."""
     code = (
@@ -114,6 +129,8 @@ def test_invalid_arguments() -> None:
         BlockHasher(0)
     with pytest.raises(ValueError):
         BlockHasher(16, seed=-1)
+    with pytest.raises(ValueError):
+        BlockHasher(16, memo_blocks=-1)
     with pytest.raises(ValueError):
         BlockHasher(2).hash_tokens([1, -1])
     with pytest.raises(ValueError):
