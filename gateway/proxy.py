@@ -3,10 +3,10 @@
 Plain ASGI (not a Starlette endpoint) because this path runs for every request and token; the
 reference measurements show Starlette's StreamingResponse costing ~2x the CPU of raw ASGI
 (docs/proxy-bench.md has this gateway's own). The body is forwarded as the client sent it and
-the answer streamed through chunk by chunk as it arrives, never buffered. With tracing off no
-span objects are made at all. What happens is
-reported back to the Conductor: dispatched, prefill done, first token, tokens, finished,
-failed (including a client that went away, which also aborts the engine legs).
+the answer streamed through chunk by chunk as it arrives, never buffered (gateway/relay.py).
+With tracing off no span objects are made at all. What happens is reported back to the
+Conductor: dispatched, prefill done, first token, tokens, finished, failed (including a client
+that went away, which also aborts the engine legs).
 """
 
 from __future__ import annotations
@@ -17,63 +17,28 @@ import itertools
 import math
 import os
 import time
-from bisect import bisect_left
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from backends.drivers import ForwardPlan, UpstreamError, UpstreamResponse
 from gateway.learning import DecisionRecord
 from gateway.openai import BadRequest, ParsedRequest, error_body, parse_request
+from gateway.relay import (
+    ClientWatch,
+    Receive,
+    Send,
+    relay_stream,
+    send_stream_error,
+    usage_tokens,
+)
 from gateway.runtime import Gateway
-from routing.prompt import count_stream_tokens
 from routing.types import Decision, Rejection
 
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
-_TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
-_WATCH_AFTER_S = 0.05
-_GAP_FLUSH = 256  # add time-between-chunks samples to the histogram in batches
 # Request ids the gateway makes: a random per-process prefix and a counter (32 hex digits, as
 # uuid4().hex, at a fraction of its cost).
 _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count(1)
-
-
-class _ClientWatch:
-    """Closes the engine legs (which aborts them) when the client goes away mid-answer.
-
-    ASGI reports a disconnect only to ``receive()``, so this needs a task waiting on it; the
-    task starts once an answer has run for ``_WATCH_AFTER_S`` (most answers end sooner; a
-    disconnect before then is noticed when it starts, the ASGI server remembers it).
-    """
-
-    __slots__ = ("_receive", "_task", "_timer", "_upstream", "disconnected")
-
-    def __init__(self, receive: Receive, upstream: UpstreamResponse) -> None:
-        self._receive, self._upstream = receive, upstream
-        self._task: asyncio.Task[None] | None = None
-        self.disconnected = False
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            _WATCH_AFTER_S, self._start
-        )
-
-    def _start(self) -> None:
-        self._timer = None
-        self._task = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
-        self.disconnected = True
-        self._upstream.close()
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
 
 
 def new_request_id() -> str:
@@ -294,7 +259,7 @@ class CompletionHandler:
     ) -> None:
         gw = self.gw
         rid = parsed.info.request_id
-        watch = _ClientWatch(receive, upstream)
+        watch = ClientWatch(receive, upstream)
         tokens = 0
         try:
             await send(
@@ -308,12 +273,14 @@ class CompletionHandler:
                 }
             )
             if parsed.stream:
-                tokens = await self._stream(upstream, record, send)
+                tokens = await relay_stream(
+                    upstream, record, send, gw.conductor, gw.metrics, gw.clock
+                )
             else:
                 body = await upstream.read()
                 now = gw.clock()
                 record.observed_ttft_s = gw.conductor.first_token(rid, now)
-                tokens = _usage_tokens(body)
+                tokens = usage_tokens(body)
                 await send({"type": "http.response.body", "body": body})
             upstream.close()
             now = gw.clock()
@@ -332,58 +299,11 @@ class CompletionHandler:
                 self._upstream_error.inc()
                 if isinstance(exc, UpstreamError):
                     gw.leg_failed(exc.instance_id)
-                    await _send_stream_error(send, parsed.stream, exc)
+                    await send_stream_error(send, parsed.stream, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
             watch.stop()
-
-    async def _stream(self, upstream: UpstreamResponse, record: DecisionRecord, send: Send) -> int:
-        """Relays the SSE answer chunk by chunk; returns the tokens it carried."""
-        gw = self.gw
-        rid = record.request_id
-        clock = gw.clock
-        conductor = gw.conductor
-        next_chunk = upstream.chunk_reader()
-        stamps: list[float] = []  # arrival of each chunk: the TBT histogram's samples
-        first = 0.0
-        tokens = reported = 0
-        try:
-            while True:
-                try:
-                    chunk = await next_chunk()
-                except OSError as exc:
-                    raise UpstreamError(
-                        upstream.instance_id, None, f"stream broke: {exc!r}"
-                    ) from exc
-                if chunk is None:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    break
-                now = clock()
-                # The last chunk ends the response in the same write (no separate terminator);
-                # the chunk goes out first, the books after.
-                end = upstream.complete
-                await send({"type": "http.response.body", "body": chunk, "more_body": not end})
-                if not stamps:
-                    first = now
-                    record.observed_ttft_s = conductor.first_token(rid, now)
-                    if record.observed_ttft_s is not None:
-                        gw.metrics.ttft.observe(record.observed_ttft_s)
-                elif len(stamps) >= _GAP_FLUSH:
-                    observe_gaps(gw.metrics.tbt, stamps)
-                    del stamps[:-1]
-                stamps.append(now)
-                tokens += count_stream_tokens(chunk)
-                if tokens - reported >= _TOKEN_FLUSH:
-                    conductor.tokens(rid, tokens - reported, now)
-                    reported = tokens
-                if end:
-                    break
-        finally:
-            observe_gaps(gw.metrics.tbt, stamps)
-        if tokens > 1:
-            record.observed_tbt_s = (stamps[-1] - first) / (tokens - 1)
-        return tokens
 
     def _learn(self, parsed: ParsedRequest, d: Decision, rec: DecisionRecord, now: float):
         gw = self.gw
@@ -404,58 +324,3 @@ class CompletionHandler:
                 d.cached_tokens,
                 rec.observed_ttft_s,
             )
-
-
-_COMPLETION_TOKENS = b'"completion_tokens"'
-
-
-def observe_gaps(hist: Any, stamps: list[float]) -> None:
-    """``hist.observe(b - a)`` for every pair of consecutive stamps, with one locked increment
-    per bucket touched and one for the sum, instead of two per value (prometheus_client has no
-    batch observe; if its internals change, this falls back to observing one by one)."""
-    if len(stamps) < 2:
-        return
-    try:
-        bounds, buckets, total = hist._upper_bounds, hist._buckets, hist._sum
-    except AttributeError:  # pragma: no cover - another prometheus_client layout
-        for a, b in itertools.pairwise(stamps):
-            hist.observe(b - a)
-        return
-    counts = [0] * len(bounds)
-    prev = stamps[0]
-    for t in itertools.islice(stamps, 1, None):
-        counts[bisect_left(bounds, t - prev)] += 1  # the first bucket with gap <= bound
-        prev = t
-    for i, n in enumerate(counts):
-        if n:
-            buckets[i].inc(n)
-    total.inc(stamps[-1] - stamps[0])
-
-
-def _usage_tokens(body: bytes) -> int:
-    """usage.completion_tokens of a JSON answer, found without parsing the whole answer (it is
-    the last such key: ``usage`` follows ``choices``, and a key inside string content would be
-    escaped)."""
-    i = body.rfind(_COMPLETION_TOKENS)
-    if i < 0:
-        return 0
-    j = i + len(_COMPLETION_TOKENS)
-    rest = body[j : j + 32].lstrip()
-    if not rest.startswith(b":"):
-        return 0
-    rest = rest[1:].lstrip()
-    n = 0
-    while n < len(rest) and 48 <= rest[n] <= 57:
-        n += 1
-    return int(rest[:n]) if n else 0
-
-
-async def _send_stream_error(send: Send, stream: bool, exc: UpstreamError) -> None:
-    """The response has started: end it with an error the client can see."""
-    if stream:
-        msg = error_body(f"engine {exc.instance_id} failed mid-stream", "upstream_error")
-        payload = b"data: " + msg + b"\n\ndata: [DONE]\n\n"
-    else:
-        payload = error_body(f"engine {exc.instance_id} failed", "upstream_error")
-    with contextlib.suppress(OSError):
-        await send({"type": "http.response.body", "body": payload, "more_body": False})

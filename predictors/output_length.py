@@ -9,15 +9,19 @@ and ``predict`` is a dict lookup plus a clamp. Memory is bounded: ``history`` ou
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from config.settings import PredictorSettings
 
 
 def quantile(values: Iterable[int], q: float) -> int:
     """Linear-interpolation quantile (numpy's default), rounded to whole tokens."""
-    s = sorted(values)
+    return _sorted_quantile(sorted(values), q)
+
+
+def _sorted_quantile(s: Sequence[int], q: float) -> int:
     if not s:
         raise ValueError("quantile of no values")
     pos = q * (len(s) - 1)
@@ -26,11 +30,36 @@ def quantile(values: Iterable[int], q: float) -> int:
     return round(s[lo] + (s[hi] - s[lo]) * (pos - lo))
 
 
+class _Window:
+    """The last ``size`` values, also kept sorted: a quantile is an index, not a sort (this
+    runs for every finished request)."""
+
+    __slots__ = ("_order", "_size", "_sorted")
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._order: deque[int] = deque()
+        self._sorted: list[int] = []
+
+    def add(self, value: int) -> None:
+        if len(self._order) == self._size:
+            old = self._order.popleft()
+            del self._sorted[bisect_left(self._sorted, old)]
+        self._order.append(value)
+        insort(self._sorted, value)
+
+    def quantile(self, q: float) -> int:
+        return _sorted_quantile(self._sorted, q)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
 class _KeyHistory:
     __slots__ = ("estimate", "outputs")
 
     def __init__(self, history: int) -> None:
-        self.outputs: deque[int] = deque(maxlen=history)
+        self.outputs = _Window(history)
         self.estimate = 0
 
 
@@ -57,7 +86,7 @@ class OutputLengthPredictor:
         self.max_keys = max_keys
         self.global_refresh = global_refresh
         self._keys: OrderedDict[int, _KeyHistory] = OrderedDict()
-        self._recent: deque[int] = deque(maxlen=global_window)
+        self._recent = _Window(global_window)
         self._global: int | None = None
         self._since_refresh = 0
 
@@ -81,15 +110,14 @@ class OutputLengthPredictor:
                     self._keys.popitem(last=False)
             else:
                 self._keys.move_to_end(key)
-            entry.outputs.append(output_tokens)
-            # Sorting <= `history` (default 64) ints here keeps predict O(1).
-            entry.estimate = quantile(entry.outputs, self.quantile)
-        self._recent.append(output_tokens)
+            entry.outputs.add(output_tokens)
+            entry.estimate = entry.outputs.quantile(self.quantile)  # predict stays O(1)
+        self._recent.add(output_tokens)
         self._since_refresh += 1
-        # The global quantile over a few thousand values is refreshed every `global_refresh`
-        # observations (and on the first, so the default is used only before any data).
+        # The global estimate is refreshed every `global_refresh` observations (and on the
+        # first, so the default is used only before any data).
         if self._global is None or self._since_refresh >= self.global_refresh:
-            self._global = quantile(self._recent, self.quantile)
+            self._global = self._recent.quantile(self.quantile)
             self._since_refresh = 0
 
     def predict(self, key: int | None, max_tokens: int) -> int:

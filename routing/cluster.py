@@ -7,9 +7,9 @@ dispatched, with predicted durations, and corrects them when engines report prog
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-from sortedcontainers import SortedKeyList
 
 from config.settings import Role
 from predictors.bundle import InstancePredictors
@@ -25,7 +25,7 @@ class PrefillWork:
     ready_s: float  # earliest start (after a prefix pull)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: the sorted books find it by ``is``-fast equality
 class DecodeWork:
     request_id: str
     prompt_tokens: int
@@ -52,12 +52,43 @@ class DecodeWork:
         return max(self.predicted_output - self.generated, self.predicted_output // 4, 1)
 
 
-def _finish_key(w: DecodeWork) -> tuple[float, str]:
-    return (w.finish_step, w.request_id)
+class _Book:
+    """Decode work ordered by a (time, request id) key that the caller passes with each change.
 
+    A plain list kept sorted with ``bisect``: books hold at most a batch or two of sequences,
+    where this is several times cheaper per change than a general sorted container, and every
+    request changes its books four or more times.
+    """
 
-def _arrival_key(w: DecodeWork) -> tuple[float, str]:
-    return (w.est_arrival_s, w.request_id)
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: list[tuple[float, str, DecodeWork]] = []
+
+    def add(self, key: float, work: DecodeWork) -> None:
+        insort(self._items, (key, work.request_id, work))
+
+    def remove(self, key: float, work: DecodeWork) -> None:
+        items = self._items
+        i = bisect_left(items, (key, work.request_id))
+        if i == len(items) or items[i][2] is not work:
+            raise KeyError(work.request_id)
+        del items[i]
+
+    def up_to(self, key: float) -> Iterator[DecodeWork]:
+        """Work with a key <= ``key``, in order."""
+        items = self._items
+        for i in range(bisect_right(items, (key, "\uffff"))):
+            yield items[i][2]
+
+    def first(self) -> DecodeWork | None:
+        return self._items[0][2] if self._items else None
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass(slots=True)
@@ -84,7 +115,7 @@ class InstanceState:
     queued_tokens: int = 0
     incoming: dict[str, DecodeWork] = field(default_factory=dict)
     incoming_tokens: int = 0  # prompt tokens of the requests heading here
-    committed_key: float = 0.0  # committed_tbt(0), kept current by every change
+    _committed: float | None = None  # committed_tbt(0) once asked for; None after a change
     running: dict[str, DecodeWork] = field(default_factory=dict)
     batch: int = 0
     context_tokens: int = 0
@@ -92,8 +123,8 @@ class InstanceState:
     inbound_bytes: float = 0.0  # KV transfers in flight into this instance
     steps: float = 0.0  # decode steps run so far (estimated from predicted TBT)
     steps_at_s: float = 0.0
-    _by_finish: SortedKeyList = field(default_factory=lambda: SortedKeyList(key=_finish_key))
-    _by_arrival: SortedKeyList = field(default_factory=lambda: SortedKeyList(key=_arrival_key))
+    _by_finish: _Book = field(default_factory=_Book)  # running, keyed by finish_step
+    _by_arrival: _Book = field(default_factory=_Book)  # incoming, keyed by est_arrival_s
 
     # ---- eligibility ----
     @property
@@ -167,15 +198,23 @@ class InstanceState:
             self.context_tokens + self.incoming_tokens + prompt_tokens,
         )
 
+    @property
+    def committed_key(self) -> float:
+        """``committed_tbt(0)``: the decode-placement key. Cached between changes, so placement
+        over many decode instances is one min() over mostly-cached values. (The newcomer's own
+        prompt adds the same k*prompt to every instance of a profile.)"""
+        key = self._committed
+        if key is None:
+            key = self._committed = self.committed_tbt(0)
+        return key
+
     def _recommit(self) -> None:
-        # Cached so that placement over many decode instances is one min() over attributes.
-        # (The newcomer's own prompt adds the same k*prompt to every instance of a profile.)
-        self.committed_key = self.committed_tbt(0)
+        self._committed = None  # books changed: recompute when placement next asks
 
     def add_incoming(self, work: DecodeWork) -> None:
         self.incoming[work.request_id] = work
         self.incoming_tokens += work.prompt_tokens
-        self._by_arrival.add(work)
+        self._by_arrival.add(work.est_arrival_s, work)
         self.reserved_tokens += work.reserved_tokens
         self._recommit()
 
@@ -184,12 +223,12 @@ class InstanceState:
         if work is None:
             return None
         self.incoming_tokens -= work.prompt_tokens
-        self._by_arrival.remove(work)
+        self._by_arrival.remove(work.est_arrival_s, work)
         work.started_s = now
         work.est_arrival_s = now
         work.finish_step = self.step_clock(now) + work.expected_remaining()
         self.running[request_id] = work
-        self._by_finish.add(work)
+        self._by_finish.add(work.finish_step, work)
         self.batch += 1
         self.context_tokens += work.context_tokens
         self._recommit()
@@ -200,20 +239,20 @@ class InstanceState:
         if work is None or n <= 0:
             return
         before = work.reserved_tokens
-        self._by_finish.remove(work)
+        self._by_finish.remove(work.finish_step, work)
         clock = self.step_clock(now)
         work.generated += n
         self.context_tokens += n
         self.reserved_tokens += work.reserved_tokens - before
         work.finish_step = clock + work.expected_remaining()
-        self._by_finish.add(work)
+        self._by_finish.add(work.finish_step, work)
         self._recommit()
 
     def remove_decode(self, request_id: str, now: float) -> DecodeWork | None:
         work = self.running.pop(request_id, None)
         if work is not None:
             self.step_clock(now)
-            self._by_finish.remove(work)
+            self._by_finish.remove(work.finish_step, work)
             self.batch -= 1
             self.context_tokens -= work.context_tokens
         else:
@@ -221,7 +260,7 @@ class InstanceState:
             if work is None:
                 return None
             self.incoming_tokens -= work.prompt_tokens
-            self._by_arrival.remove(work)
+            self._by_arrival.remove(work.est_arrival_s, work)
         self.reserved_tokens -= work.reserved_tokens
         self._recommit()
         return work
@@ -239,10 +278,10 @@ class InstanceState:
         tokens = self.context_tokens + prompt_tokens
         tbt = max(self.tbt_now(), 1e-4)
         horizon = self.step_clock(now) + max(at_s - now, 0.0) / tbt
-        for w in self._by_finish.irange_key(max_key=(horizon, "\uffff")):
+        for w in self._by_finish.up_to(horizon):
             batch -= 1
             tokens -= w.context_tokens
-        for w in self._by_arrival.irange_key(max_key=(at_s, "\uffff")):
+        for w in self._by_arrival.up_to(at_s):
             batch += 1
             tokens += w.prompt_tokens
         if at_s > now and batch > 1:
@@ -253,9 +292,10 @@ class InstanceState:
 
     def next_finish_s(self, now: float) -> float | None:
         """When the first running sequence is predicted to finish."""
-        if not self._by_finish:
+        first = self._by_finish.first()
+        if first is None:
             return None
-        left = self._by_finish[0].finish_step - self.step_clock(now)
+        left = first.finish_step - self.step_clock(now)
         return now + max(left, 0.0) * self.tbt_now()
 
     def clear_work(self) -> list[str]:

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from config.settings import PredictorSettings
-from predictors.output_length import OutputLengthPredictor, quantile
+from predictors.output_length import OutputLengthPredictor, _Window, quantile
 
 
 def make(**kw: int | float) -> OutputLengthPredictor:
@@ -117,3 +117,19 @@ def test_validation_and_from_settings() -> None:
 def test_quantile_matches_numpy(values: list[int], q: float) -> None:
     expected = float(np.quantile(np.array(values, dtype=np.float64), q))
     assert abs(quantile(values, q) - expected) <= 0.5 + 1e-6
+
+
+@settings(max_examples=100)
+@given(
+    values=st.lists(st.integers(0, 5000), min_size=1, max_size=200),
+    size=st.integers(1, 40),
+    q=st.floats(0.0, 1.0),
+)
+def test_sliding_window_quantile_equals_sorting_the_last_values(
+    values: list[int], size: int, q: float
+) -> None:
+    w = _Window(size)
+    for i, v in enumerate(values):
+        w.add(v)
+        last = values[max(0, i + 1 - size) : i + 1]
+        assert len(w) == len(last) and w.quantile(q) == quantile(last, q)

@@ -1,4 +1,5 @@
-"""Hot-path helpers of the proxy: batched histogram observations, request ids, usage tokens."""
+"""The relay of an engine's answer: batched histogram observations, usage tokens. (The stream
+relay itself runs on real sockets in test_proxy.py and test_openai_sdk.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.proxy import _usage_tokens, new_request_id, observe_gaps
+from gateway.relay import observe_gaps, usage_tokens
 
 
 def test_observe_gaps_matches_observing_each_gap() -> None:
@@ -33,16 +34,11 @@ def test_observe_gaps_matches_observing_each_gap() -> None:
         assert got[key] == pytest.approx(value, abs=1e-12), key
 
 
-def test_request_ids_are_unique_32_hex_digits() -> None:
-    ids = {new_request_id() for _ in range(1000)}
-    assert len(ids) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
-
-
 def test_usage_tokens_without_parsing_the_answer() -> None:
     body = (
         b'{"choices":[{"text":"say \\"completion_tokens\\": 99"}],'
         b'"usage":{"prompt_tokens":5,"completion_tokens": 16,"total_tokens":21}}'
     )
-    assert _usage_tokens(body) == 16
-    assert _usage_tokens(b'{"usage":{"completion_tokens":null}}') == 0
-    assert _usage_tokens(b"not json") == 0
+    assert usage_tokens(body) == 16
+    assert usage_tokens(b'{"usage":{"completion_tokens":null}}') == 0
+    assert usage_tokens(b"not json") == 0

@@ -1,0 +1,167 @@
+"""Relaying an engine's answer to the client: the streamed path, chunk by chunk, and its books.
+
+Each chunk is sent on as it arrives, never buffered; the books (first token, tokens, time
+between chunks) are kept after the send and in batches, so the per-chunk cost stays close to
+the bare relay's (docs/proxy-bench.md). Also: noticing a client that left, and the pieces of
+an answer the proxy reads without parsing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from backends.drivers import UpstreamError, UpstreamResponse
+from gateway.learning import DecisionRecord
+from gateway.openai import error_body
+from routing.conductor import Conductor
+from routing.prompt import count_stream_tokens
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
+_GAP_FLUSH = 256  # add time-between-chunks samples to the histogram in batches
+_WATCH_AFTER_S = 0.05
+_COMPLETION_TOKENS = b'"completion_tokens"'
+
+
+async def relay_stream(
+    upstream: UpstreamResponse,
+    record: DecisionRecord,
+    send: Send,
+    conductor: Conductor,
+    metrics: Any,
+    clock: Callable[[], float],
+) -> int:
+    """Relays the SSE answer chunk by chunk as it arrives, keeping the books (first token,
+    streamed tokens, time between chunks); returns the tokens it carried."""
+    rid = record.request_id
+    next_chunk = upstream.chunk_reader()
+    stamps: list[float] = []  # arrival of each chunk: the TBT histogram's samples
+    first = 0.0
+    tokens = reported = 0
+    try:
+        while True:
+            try:
+                chunk = await next_chunk()
+            except OSError as exc:
+                raise UpstreamError(upstream.instance_id, None, f"stream broke: {exc!r}") from exc
+            if chunk is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                break
+            now = clock()
+            # The last chunk ends the response in the same write (no separate terminator);
+            # the chunk goes out first, the books after.
+            end = upstream.complete
+            await send({"type": "http.response.body", "body": chunk, "more_body": not end})
+            if not stamps:
+                first = now
+                record.observed_ttft_s = conductor.first_token(rid, now)
+                if record.observed_ttft_s is not None:
+                    metrics.ttft.observe(record.observed_ttft_s)
+            elif len(stamps) >= _GAP_FLUSH:
+                observe_gaps(metrics.tbt, stamps)
+                del stamps[:-1]
+            stamps.append(now)
+            tokens += count_stream_tokens(chunk)
+            if tokens - reported >= _TOKEN_FLUSH:
+                conductor.tokens(rid, tokens - reported, now)
+                reported = tokens
+            if end:
+                break
+    finally:
+        observe_gaps(metrics.tbt, stamps)
+    if tokens > 1:
+        record.observed_tbt_s = (stamps[-1] - first) / (tokens - 1)
+    return tokens
+
+
+class ClientWatch:
+    """Closes the engine legs (which aborts them) when the client goes away mid-answer.
+
+    ASGI reports a disconnect only to ``receive()``, so this needs a task waiting on it; the
+    task starts once an answer has run for ``_WATCH_AFTER_S`` (most answers end sooner; a
+    disconnect before then is noticed when it starts, the ASGI server remembers it).
+    """
+
+    __slots__ = ("_receive", "_task", "_timer", "_upstream", "disconnected")
+
+    def __init__(self, receive: Receive, upstream: UpstreamResponse) -> None:
+        self._receive, self._upstream = receive, upstream
+        self._task: asyncio.Task[None] | None = None
+        self.disconnected = False
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            _WATCH_AFTER_S, self._start
+        )
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self._upstream.close()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+
+
+def observe_gaps(hist: Any, stamps: list[float]) -> None:
+    """``hist.observe(b - a)`` for every pair of consecutive stamps, with one locked increment
+    per bucket touched and one for the sum, instead of two per value (prometheus_client has no
+    batch observe; if its internals change, this falls back to observing one by one)."""
+    if len(stamps) < 2:
+        return
+    try:
+        bounds, buckets, total = hist._upper_bounds, hist._buckets, hist._sum
+    except AttributeError:  # pragma: no cover - another prometheus_client layout
+        for a, b in itertools.pairwise(stamps):
+            hist.observe(b - a)
+        return
+    counts = [0] * len(bounds)
+    prev = stamps[0]
+    for t in itertools.islice(stamps, 1, None):
+        counts[bisect_left(bounds, t - prev)] += 1  # the first bucket with gap <= bound
+        prev = t
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+    total.inc(stamps[-1] - stamps[0])
+
+
+def usage_tokens(body: bytes) -> int:
+    """usage.completion_tokens of a JSON answer, found without parsing the whole answer (it is
+    the last such key: ``usage`` follows ``choices``, and a key inside string content would be
+    escaped)."""
+    i = body.rfind(_COMPLETION_TOKENS)
+    if i < 0:
+        return 0
+    j = i + len(_COMPLETION_TOKENS)
+    rest = body[j : j + 32].lstrip()
+    if not rest.startswith(b":"):
+        return 0
+    rest = rest[1:].lstrip()
+    n = 0
+    while n < len(rest) and 48 <= rest[n] <= 57:
+        n += 1
+    return int(rest[:n]) if n else 0
+
+
+async def send_stream_error(send: Send, stream: bool, exc: UpstreamError) -> None:
+    """The response has started: end it with an error the client can see."""
+    if stream:
+        msg = error_body(f"engine {exc.instance_id} failed mid-stream", "upstream_error")
+        payload = b"data: " + msg + b"\n\ndata: [DONE]\n\n"
+    else:
+        payload = error_body(f"engine {exc.instance_id} failed", "upstream_error")
+    with contextlib.suppress(OSError):
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
