@@ -87,7 +87,7 @@ def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
     return value / 1000.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # per request: not frozen (see routing/types.py)
 class ParsedRequest:
     info: RequestInfo
     body: dict[str, Any]

@@ -18,7 +18,7 @@ from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLO
 from routing.types import Rejection, RejectReason, RequestInfo
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # per request: not frozen (see routing/types.py)
 class EffectiveSLO:
     priority: PriorityClass
     ttft_s: float
