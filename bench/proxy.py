@@ -143,16 +143,23 @@ class Bench:
         proc = self.targets.get(name)
         url = (proc.url if proc else self.stubs[0].url) + load.CHAT_PATH
         pids = proc.refresh_pids() if proc else []
-        stub_pids = [p for s in self.stubs for p in s.refresh_pids()]
-        cpu0, stub0 = tg.cpu_seconds(pids), tg.cpu_seconds(stub_pids)
+        stub_pids = [s.refresh_pids() for s in self.stubs]
+        cpu0 = tg.cpu_seconds(pids)
+        stub0 = [tg.cpu_seconds(sp) for sp in stub_pids]
         busy0, ru0, t0 = tg.machine_busy_seconds(), _children_cpu(), time.monotonic()
         res = load.run_wrk(self.wrk, self.lua, url, c, duration, MODES[mode][0], self.args.tokens)
         wall = time.monotonic() - t0
-        cpu, stub_cpu = tg.cpu_seconds(pids) - cpu0, tg.cpu_seconds(stub_pids) - stub0
+        cpu = tg.cpu_seconds(pids) - cpu0
+        per_stub = [tg.cpu_seconds(sp) - c0 for sp, c0 in zip(stub_pids, stub0, strict=True)]
+        stub_cpu = sum(per_stub)
         n = res["requests"] or 1
         res.update(target=name, mode=mode, c=c, round=rnd)
         res["cpu_us_per_req"] = round(cpu / n * 1e6, 1) if proc else None
         res["stub_cpu_us_per_req"] = round(stub_cpu / n * 1e6, 1)
+        # How the target spread the load: the busiest engine's share of all engine CPU
+        # (0.25 = even over 4). Engines that share a 2-core box with the load generator cost
+        # less in total when one of them takes everything (fewer, fuller event-loop passes).
+        res["busiest_stub_share"] = round(max(per_stub) / stub_cpu, 2) if stub_cpu > 0 else None
         res["wrk_cpu_us_per_req"] = round((_children_cpu() - ru0) / n * 1e6, 1)
         res["machine_busy_cores"] = round((tg.machine_busy_seconds() - busy0) / wall, 2)
         if rnd is not None:
@@ -243,6 +250,7 @@ def aggregate(raw: list[dict]) -> list[dict]:
         row["added_p50_ms"] = _med([p["added_p50_ms"] for p in pairs])
         row["rps_ratio"] = _med([p["rps"] / p["direct_rps"] for p in pairs if p["direct_rps"]])
         row["stub_cpu_us_per_req"] = _med([p["stub_cpu_us_per_req"] for p in pairs])
+        row["busiest_stub_share"] = _med([p["busiest_stub_share"] for p in pairs])
         row["machine_busy_cores"] = _med([p["machine_busy_cores"] for p in pairs])
         row["errors"] = sum(p["errors"] + p["non_2xx"] for p in pairs)
         row["rounds"] = len(pairs)
@@ -307,6 +315,12 @@ def summarize(runs: list[dict], ttft: list[dict], conc: list[int]) -> dict:
         "kvgate_rps": kv["rps"] if kv else None,
         "sglang_rps": sg_rps,
         "ratio_vs": {sg: round(kv["rps"] / v, 2) for sg, v in sg_rps.items() if kv and v},
+        # context for the req/s: how each target spread the load over the 4 engines
+        "busiest_engine_share": {
+            t: get[(t, "sd", cmax)].get("busiest_stub_share")
+            for t in ("kvgate", *SGLANG)
+            if (t, "sd", cmax) in get
+        },
     }
     checks["rps_paced"]["met"] = bool(kv and sg_rps) and all(
         kv["rps"] >= v for v in sg_rps.values()
@@ -329,13 +343,14 @@ def tables(result: dict) -> str:
         out += [f"### {title} ({mode})", ""]
         out.append(
             "| c | target | req/s | direct req/s | ratio | p50 ms | direct p50 | added p50 ms "
-            "| p99 ms | CPU µs/req | errors |"
+            "| p99 ms | CPU µs/req | engines' CPU µs/req | busiest engine | errors |"
         )
-        out.append("|---" * 11 + "|")
+        out.append("|---" * 13 + "|")
         for r in rows:
             cells = [r["c"], r["target"], _f(r["rps"], 0), _f(r["direct_rps"], 0)]
             cells += [_f(r["rps_ratio"]), _f(r["p50_ms"]), _f(r["direct_p50_ms"])]
             cells += [_f(r["added_p50_ms"]), _f(r["p99_ms"]), _f(r["cpu_us_per_req"], 0)]
+            cells += [_f(r["stub_cpu_us_per_req"], 0), _f(r["busiest_stub_share"])]
             cells.append(r["errors"])
             out.append("| " + " | ".join(str(x) for x in cells) + " |")
         out.append("")
