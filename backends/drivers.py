@@ -95,10 +95,15 @@ class UpstreamResponse:
             raise UpstreamError(self.instance_id, None, f"stream broke: {exc!r}") from exc
         return chunk or None
 
-    def chunk_reader(self) -> Callable[[], Awaitable[bytes | None]]:
-        """``next_chunk`` for a relay loop, which may raise ``OSError`` for a broken stream
+    async def next_piece(self) -> tuple[bytes, bool] | None:
+        """``next_chunk`` and whether it ends the body; None at the end."""
+        chunk = await self.next_chunk()
+        return None if chunk is None else (chunk, self.complete)
+
+    def piece_reader(self) -> Callable[[], Awaitable[tuple[bytes, bool] | None]]:
+        """``next_piece`` for a relay loop, which may raise ``OSError`` for a broken stream
         as well as ``UpstreamError`` (the caller names the instance)."""
-        return self.next_chunk
+        return self.next_piece
 
     @property
     def complete(self) -> bool:
@@ -143,9 +148,9 @@ class Http1UpstreamResponse(UpstreamResponse):
         except OSError as exc:
             raise UpstreamError(self.instance_id, None, f"stream broke: {exc!r}") from exc
 
-    def chunk_reader(self) -> Callable[[], Awaitable[bytes | None]]:
+    def piece_reader(self) -> Callable[[], Awaitable[tuple[bytes, bool] | None]]:
         # The connection's own reader, one coroutine frame less per chunk.
-        return self._resp.next_chunk  # type: ignore[attr-defined,no-any-return]
+        return self._resp.next_piece  # type: ignore[attr-defined,no-any-return]
 
     @property
     def complete(self) -> bool:

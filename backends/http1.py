@@ -244,9 +244,16 @@ class Response:
     async def next_chunk(self) -> bytes | None:
         """Body bytes that arrived since the last call (joined), waiting for some if there are
         none yet; None at the end of the body."""
+        piece = await self.next_piece()
+        return None if piece is None else piece[0]
+
+    async def next_piece(self) -> tuple[bytes, bool] | None:
+        """``next_chunk`` and whether those bytes end the body (a relay sends the end with
+        them), in one call: the relay's per-chunk step."""
         while True:
             if self._buf:
-                return self._take()
+                data = self._take()
+                return data, self.done and self._exc is None
             if self._exc is not None:
                 raise self._exc
             if self.done:

@@ -19,7 +19,7 @@ from backends.drivers import UpstreamError, UpstreamResponse
 from gateway.learning import DecisionRecord
 from gateway.openai import error_body
 from routing.conductor import Conductor
-from routing.prompt import count_stream_tokens
+from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -40,23 +40,23 @@ async def relay_stream(
     """Relays the SSE answer chunk by chunk as it arrives, keeping the books (first token,
     streamed tokens, time between chunks); returns the tokens it carried."""
     rid = record.request_id
-    next_chunk = upstream.chunk_reader()
+    next_piece = upstream.piece_reader()
     stamps: list[float] = []  # arrival of each chunk: the TBT histogram's samples
     first = 0.0
     tokens = reported = 0
     try:
         while True:
             try:
-                chunk = await next_chunk()
+                piece = await next_piece()
             except OSError as exc:
                 raise UpstreamError(upstream.instance_id, None, f"stream broke: {exc!r}") from exc
-            if chunk is None:
+            if piece is None:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 break
             now = clock()
+            chunk, end = piece
             # The last chunk ends the response in the same write (no separate terminator);
             # the chunk goes out first, the books after.
-            end = upstream.complete
             await send({"type": "http.response.body", "body": chunk, "more_body": not end})
             if not stamps:
                 first = now
@@ -67,7 +67,8 @@ async def relay_stream(
                 observe_gaps(metrics.tbt, stamps)
                 del stamps[:-1]
             stamps.append(now)
-            tokens += count_stream_tokens(chunk)
+            # count_stream_tokens, inline: this runs for every chunk
+            tokens += chunk.count(TOKEN_EVENT) or chunk.count(TOKEN_EVENT_SPACED)
             if tokens - reported >= _TOKEN_FLUSH:
                 conductor.tokens(rid, tokens - reported, now)
                 reported = tokens

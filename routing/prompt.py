@@ -37,8 +37,13 @@ def chat_prompt_text(messages: Any) -> str:
     return "\n".join(parts)
 
 
+# What opens a generated-token event in an OpenAI SSE stream, compact and spaced JSON.
+TOKEN_EVENT = b'"choices":[{'
+TOKEN_EVENT_SPACED = b'"choices": [{'
+
+
 def count_stream_tokens(chunk: bytes) -> int:
     """Generated-token events in a chunk of an OpenAI SSE stream: events with a non-empty
     ``choices`` array (the usage-only event and ``[DONE]`` do not count)."""
     # An engine writes either compact or spaced JSON, never both in one stream.
-    return chunk.count(b'"choices":[{') or chunk.count(b'"choices": [{')
+    return chunk.count(TOKEN_EVENT) or chunk.count(TOKEN_EVENT_SPACED)
