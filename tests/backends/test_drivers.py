@@ -200,3 +200,21 @@ def test_engine_error_status_and_transport_error_are_distinguished() -> None:
     assert errors[1].status is None and errors[1].instance_id == "gone"
     assert decode_seen == []  # a failed prefill never starts the decode leg
     assert json.loads(errors[0].body)["error"]["message"] == "boom"
+
+
+def test_piece_reader_marks_the_last_piece_on_the_aiohttp_path() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        async with aiohttp.ClientSession() as s:
+            up = await SGLangDriver().open(s, _plan(pt, dt, ORIGINAL))
+            read, pieces = up.piece_reader(), []
+            while (piece := await read()) is not None:
+                pieces.append(piece)
+            up.close()
+        await p.server.close()
+        await d.server.close()
+        return pieces
+
+    pieces = asyncio.run(run())
+    assert b"".join(c for c, _ in pieces) == SSE
+    assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
