@@ -17,6 +17,7 @@ from typing import Any
 
 from backends.drivers import UpstreamError, UpstreamResponse
 from gateway.learning import DecisionRecord
+from gateway.metrics import GatewayMetrics
 from gateway.openai import error_body
 from routing.conductor import Conductor
 from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
@@ -25,7 +26,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
 _GAP_FLUSH = 256  # add time-between-chunks samples to the histogram in batches
-_WATCH_AFTER_S = 0.05
+_WATCH_AFTER_S = 0.05  # answers shorter than this never start a disconnect watcher task
 _COMPLETION_TOKENS = b'"completion_tokens"'
 
 
@@ -34,7 +35,7 @@ async def relay_stream(
     record: DecisionRecord,
     send: Send,
     conductor: Conductor,
-    metrics: Any,
+    metrics: GatewayMetrics,
     clock: Callable[[], float],
 ) -> int:
     """Relays the SSE answer chunk by chunk as it arrives, keeping the books (first token,
