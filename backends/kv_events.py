@@ -1,163 +1,66 @@
-"""vLLM KV cache events over ZMQ: decoding, encoding and a gap-aware subscriber.
+"""A gap-aware ZMQ subscriber to one engine's (DP rank's) vLLM KV event publisher.
 
-Wire format (reference/peer-routers.md section 7.1): PUB multipart ``[topic, seq (8-byte
-big-endian), msgpack payload]``; the payload is ``[ts, events, data_parallel_rank]`` and each
-event is either an array with the tag first (vLLM before PR #42892) or a map with a ``type``
-key (after it). Fields have been appended over releases, so the decoder reads the fields it
-needs by position / key and ignores anything after them; unknown tags are skipped and
-counted, so a newer engine's new event kinds do not break an older gateway.
+Which side binds follows vLLM's publisher: it **binds** for ``tcp://*:P``, ``tcp://[::]:P``,
+``ipc://`` and ``inproc://`` endpoints and **connects** for ``tcp://host:P`` (then ``host`` is
+where the subscriber listens). Configure kvgate with the same endpoint string the engine has
+and ``resolve_endpoint`` picks the other side: connect (to the engine's host for a wildcard),
+or bind. ``bind`` overrides the rule per instance. Frames are ``[topic, seq (8-byte big-endian),
+payload]``; the payload codec is backends/engine_events.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from routing.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from backends.engine_events import EngineEvent, KVEventDecodeError, decode_batch
 
 log = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 _END_SEQ = -1  # replay end marker, signed
-_TIER_MEDIUM = {Tier.GPU: "GPU", Tier.HOST: "CPU", Tier.STORE: "DISK"}
-
-
-class KVEventDecodeError(ValueError):
-    """A payload that is not a KV event batch in either known encoding."""
+# Hosts in a tcp:// endpoint that make vLLM's publisher bind (it connects for any other host).
+_WILDCARD_HOSTS = ("*", "::", "[::]", "0.0.0.0")
 
 
 @dataclass(frozen=True, slots=True)
-class KVEventBatch:
-    ts: float
-    events: list[KVEvent]
-    dp_rank: int | None
-    skipped: int = 0  # events with a tag this decoder does not know
+class SubscriberEndpoint:
+    """Where the SUB socket goes and whether it binds there or connects."""
+
+    address: str
+    bind: bool
 
 
-def _hash(value: object) -> int:
-    # bool is an int subclass; a boolean where a hash belongs is corruption, not a hash.
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value & _MASK64  # signed i64 readers and u64 readers agree after masking
-    if isinstance(value, bytes):
-        return int.from_bytes(value, "big") & _MASK64  # vLLM's int-hash convention
-    raise KVEventDecodeError(f"block hash must be int or bytes, got {type(value).__name__}")
+def resolve_endpoint(
+    endpoint: str, engine_host: str, bind: bool | None = None
+) -> SubscriberEndpoint:
+    """The subscriber's side of an engine's ``--kv-events-config`` endpoint.
 
-
-def _hashes(value: object) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple):
-        raise KVEventDecodeError(f"block_hashes must be a list, got {type(value).__name__}")
-    return tuple(_hash(v) for v in value)
-
-
-def _tier(medium: object) -> Tier:
-    if medium is None:
-        return Tier.GPU  # events from before the medium field existed were all GPU
-    if not isinstance(medium, str):
-        raise KVEventDecodeError(f"medium must be a string, got {type(medium).__name__}")
-    kind = medium.upper()
-    if kind == "GPU":
-        return Tier.GPU
-    if kind == "CPU":
-        return Tier.HOST
-    return Tier.STORE  # disk and external connector tiers are all "shared / slow" to us
-
-
-def _decode_event(raw: object) -> KVEvent | None:
-    """One event; ``None`` for an unknown tag."""
-    if isinstance(raw, list | tuple):
-        if not raw or not isinstance(raw[0], str):
-            raise KVEventDecodeError("array event must start with its tag")
-        tag, fields = raw[0], raw[1:]
-        if tag == "BlockStored":
-            # [hashes, parent, token_ids, block_size, lora_id, medium?, lora_name?, ...]
-            if len(fields) < 5:
-                raise KVEventDecodeError(f"BlockStored has {len(fields)} fields, needs >= 5")
-            return BlockStored(_hashes(fields[0]), _tier(fields[5] if len(fields) > 5 else None))
-        if tag == "BlockRemoved":
-            if len(fields) < 1:  # [hashes, medium?, group_idx?]
-                raise KVEventDecodeError("BlockRemoved without block_hashes")
-            return BlockRemoved(_hashes(fields[0]), _tier(fields[1] if len(fields) > 1 else None))
-    elif isinstance(raw, dict):
-        tag = raw.get("type")
-        if not isinstance(tag, str):
-            raise KVEventDecodeError("map event without a string 'type'")
-        if tag in ("BlockStored", "BlockRemoved"):
-            if "block_hashes" not in raw:
-                raise KVEventDecodeError(f"{tag} without block_hashes")
-            kind = BlockStored if tag == "BlockStored" else BlockRemoved
-            return kind(_hashes(raw["block_hashes"]), _tier(raw.get("medium")))
-    else:
-        raise KVEventDecodeError(f"event must be an array or a map, got {type(raw).__name__}")
-    return AllBlocksCleared() if tag == "AllBlocksCleared" else None
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one msgpack ``KVEventBatch`` in the array or the map encoding."""
-    try:
-        outer = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:  # ExtraData, FormatError, ...
-        raise KVEventDecodeError(f"not msgpack: {exc}") from exc
-    if isinstance(outer, list | tuple):
-        # omit_defaults=True drops a trailing dp_rank that equals its default (None).
-        if len(outer) not in (2, 3):
-            raise KVEventDecodeError(f"batch array has {len(outer)} items, expected 2 or 3")
-        ts, events, rank = outer[0], outer[1], outer[2] if len(outer) == 3 else None
-    elif isinstance(outer, dict):
-        ts, events = outer.get("ts"), outer.get("events")
-        rank = outer.get("data_parallel_rank", outer.get("dp_rank"))
-    else:
-        raise KVEventDecodeError(f"batch must be an array or a map, got {type(outer).__name__}")
-    if not isinstance(ts, int | float) or isinstance(ts, bool):
-        raise KVEventDecodeError(f"batch ts must be a number, got {type(ts).__name__}")
-    if not isinstance(events, list | tuple):
-        raise KVEventDecodeError(f"batch events must be a list, got {type(events).__name__}")
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
-        raise KVEventDecodeError(f"data_parallel_rank must be an int, got {type(rank).__name__}")
-    decoded = [_decode_event(e) for e in events]
-    kept = [e for e in decoded if e is not None]
-    return KVEventBatch(float(ts), kept, rank, skipped=len(decoded) - len(kept))
-
-
-def _encode_event(event: KVEvent, style: str, block_size: int) -> list[Any] | dict[str, Any]:
-    if isinstance(event, BlockStored):
-        hashes, medium = list(event.block_hashes), _TIER_MEDIUM[event.tier]
-        # parent / token ids are not carried by routing.types; consumers key on the hashes.
-        fields = [hashes, None, [], block_size, None, medium]
-        keys = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
-        names = (*keys, "medium")
-    elif isinstance(event, BlockRemoved):
-        fields = [list(event.block_hashes), _TIER_MEDIUM[event.tier]]
-        names = ("block_hashes", "medium")
-    elif isinstance(event, AllBlocksCleared):
-        fields, names = [], ()
-    else:
-        raise TypeError(f"not a KV event: {event!r}")
-    tag = type(event).__name__
-    if style == "array":
-        return [tag, *fields]
-    return {"type": tag, **dict(zip(names, fields, strict=True))}
-
-
-def encode_batch(
-    events: Sequence[KVEvent],
-    ts: float,
-    dp_rank: int | None,
-    *,
-    style: Literal["array", "map"] = "array",
-    block_size: int = 16,
-) -> bytes:
-    """Encode like vLLM's publisher (``style``: events as tagged arrays or as maps)."""
-    if style not in ("array", "map"):
-        raise ValueError(f"style must be 'array' or 'map', not {style!r}")
-    body = [float(ts), [_encode_event(e, style, block_size) for e in events], dp_rank]
-    return msgpack.packb(body, use_bin_type=True)
+    ``tcp://*:P`` (the engine binds on every interface): connect to ``tcp://engine_host:P``;
+    ``ipc://`` / ``inproc://``: connect to it as is; ``tcp://host:P`` (the engine connects to
+    ``host``): bind it. ``bind`` forces a side; a wildcard host still becomes ``engine_host``
+    when connecting.
+    """
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc"):
+        raise ValueError(f"not a ZMQ endpoint: {endpoint!r}")
+    if scheme != "tcp":
+        return SubscriberEndpoint(endpoint, bind=bool(bind))
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise ValueError(f"tcp endpoint needs host:port: {endpoint!r}")
+    wildcard = host in _WILDCARD_HOSTS
+    if bind is None:
+        bind = not wildcard
+    if not bind and wildcard:
+        target = f"[{engine_host}]" if ":" in engine_host else engine_host
+        return SubscriberEndpoint(f"tcp://{target}:{port}", bind=False)
+    return SubscriberEndpoint(endpoint, bind=bind)
 
 
 @dataclass(slots=True)
@@ -179,14 +82,22 @@ class KVEventSubscriber:
     timeout), it calls ``on_resync(instance_id)`` so the caller drops that instance's cache
     view, which later events rebuild. A sequence that goes backwards means the publisher
     restarted (its cache is empty now), which is also a resync.
+
+    ``endpoint`` is the engine's own KV event endpoint (see ``resolve_endpoint``;
+    ``engine_host`` replaces a wildcard host, ``bind`` forces a side). When the rule says
+    bind and the address is already in use, the publisher most likely binds there itself
+    (an engine given ``tcp://*:P`` while kvgate was given ``tcp://127.0.0.1:P``): the
+    subscriber says so in the log and connects instead.
     """
 
     def __init__(
         self,
         endpoint: str,
         instance_id: str,
-        on_events: Callable[[str, list[KVEvent]], None],
+        on_events: Callable[[str, list[EngineEvent]], None],
         *,
+        engine_host: str = "127.0.0.1",
+        bind: bool | None = None,
         topic: str = "",
         replay_endpoint: str | None = None,
         on_resync: Callable[[str], None] | None = None,
@@ -196,11 +107,19 @@ class KVEventSubscriber:
     ) -> None:
         self.endpoint = endpoint
         self.instance_id = instance_id
+        self.side = resolve_endpoint(endpoint, engine_host, bind)
+        self._bind_by_rule = bind is None
+        self.bound: bool | None = None  # how the last run's SUB socket was set up
         self.stats = SubscriberStats()
         self._on_events = on_events
         self._on_resync = on_resync
         self._topic = topic.encode()
-        self._replay_endpoint = replay_endpoint
+        # vLLM's replay ROUTER always binds: the subscriber connects (a wildcard -> the engine).
+        self._replay_endpoint = (
+            resolve_endpoint(replay_endpoint, engine_host, bind=False).address
+            if replay_endpoint is not None
+            else None
+        )
         self._own_ctx = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
         self._poll_ms = max(1, int(poll_interval_s * 1000))
@@ -220,9 +139,9 @@ class KVEventSubscriber:
             self._ctx = zmq.asyncio.Context()
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        sub.connect(self.endpoint)
         self._sub = sub
         try:
+            self._attach(sub)
             while not stop.is_set() and self._sub is sub:
                 if await sub.poll(self._poll_ms, zmq.POLLIN):
                     await self._handle(await sub.recv_multipart())
@@ -231,6 +150,35 @@ class KVEventSubscriber:
                 raise
         finally:
             self.close()
+
+    def _attach(self, sub: zmq.asyncio.Socket) -> None:
+        address = self.side.address
+        if not self.side.bind:
+            sub.connect(address)
+            self.bound = False
+            return
+        try:
+            sub.bind(address)
+            self.bound = True
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or not self._bind_by_rule:
+                log.error(
+                    "%s: cannot bind the KV event subscriber to %s (%s); vLLM binds for "
+                    "tcp://*:P, ipc:// and inproc:// endpoints and connects for tcp://host:P",
+                    self.instance_id,
+                    address,
+                    exc,
+                )
+                raise
+            log.warning(
+                "%s: %s is in use, most likely by an engine publisher bound there: connecting "
+                "instead (give kvgate the engine's own endpoint, e.g. tcp://*:P, or set "
+                "kv_events_bind = false)",
+                self.instance_id,
+                address,
+            )
+            sub.connect(address)
+            self.bound = False
 
     def close(self) -> None:
         """Close the sockets (and the context, if this subscriber created it). Idempotent."""
@@ -315,6 +263,10 @@ class KVEventSubscriber:
                 return False
             reply = await sock.recv_multipart()
             if reply and reply[0] == b"":
+                reply = reply[1:]
+            # vLLM 0.32 sends [topic, seq, payload] (end: [b"", -1, b""]); older publishers
+            # and the reference protocol send [seq, payload].
+            if len(reply) == 3:
                 reply = reply[1:]
             if len(reply) != 2 or len(reply[0]) != 8:
                 continue

@@ -1,7 +1,9 @@
-"""Engine load from a Prometheus ``/metrics`` page (vLLM V1 ``vllm:*`` or SGLang ``sglang:*``).
+"""Engine load from a Prometheus ``/metrics`` page: vLLM ``vllm:*``, SGLang ``sglang:*`` and
+llama.cpp ``llamacpp:*`` (llama-server ``--metrics``).
 
 The text is parsed by ``prometheus_client``'s own parser; this module only picks the few
-series a router needs (reference/peer-routers.md section 7.2) and folds the per-rank series
+series a router needs (reference/peer-routers.md section 7.2; the llama.cpp and vLLM 0.32
+names were read off real servers, see tests/backends/data/) and folds the per-rank series
 into one number per instance:
 
 - counts (running, waiting, prefix-cache token counters, cache blocks) are *summed* over data
@@ -13,8 +15,11 @@ Within one rank a series can still appear several times (SGLang labels ``tp_rank
 multiprocess vLLM front end can repeat a gauge per API server). Those copies describe the
 same scheduler, so they are collapsed with ``max`` rather than summed.
 
-A series that is absent yields ``None`` ("unknown"), never an error: engines drop and rename
-metrics between versions, and the gateway treats unknown load like stale load.
+The flavour is given (``engine`` of the instance) or detected from the names seen. A series
+that is absent yields ``None`` ("unknown"), never an error: engines drop and rename metrics
+between versions, and the gateway treats unknown load like stale load. ``EngineLoad.understood``
+says whether anything usable was found at all, so the caller can say so instead of silently
+routing on nothing.
 """
 
 from __future__ import annotations
@@ -26,16 +31,24 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
-Engine = Literal["vllm", "sglang", "unknown"]
+Engine = Literal["vllm", "sglang", "llamacpp", "unknown"]
+# What the caller knows about the engine: its flavour, or "auto" to detect it from the names.
+EngineHint = Literal["auto", "vllm", "sglang", "llamacpp"]
 
 # Labels that name a data-parallel rank: vLLM V1 exports ``engine`` (the DP engine index),
 # SGLang exports ``dp_rank`` when DP attention is on.
 _RANK_LABELS: tuple[str, ...] = ("engine", "dp_rank")
+_PREFIXES: tuple[tuple[str, Engine], ...] = (
+    ("vllm:", "vllm"),
+    ("sglang:", "sglang"),
+    ("llamacpp:", "llamacpp"),
+)
 
 # Preference-ordered sample names per field: the first name present wins, so an engine that
 # exports both the new and the deprecated name is not double counted.
 _VLLM_RUNNING = ("vllm:num_requests_running",)
 _VLLM_WAITING = ("vllm:num_requests_waiting",)
+_VLLM_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 _VLLM_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _VLLM_HITS = (
     "vllm:prefix_cache_hits_total",
@@ -49,12 +62,23 @@ _VLLM_QUERIES = (
     "vllm:prefix_cache_queries",
     "vllm:gpu_prefix_cache_queries",
 )
+# Fallback pair when the prefix-cache counters are missing (they count connector hits too).
+_VLLM_CACHED_PROMPT = ("vllm:prompt_tokens_cached_total",)
+_VLLM_PROMPT = ("vllm:prompt_tokens_total",)
 _VLLM_CONFIG = "vllm:cache_config_info"
 _SGLANG_RUNNING = ("sglang:num_running_reqs",)
 _SGLANG_WAITING = ("sglang:num_queue_reqs",)
 _SGLANG_USAGE = ("sglang:token_usage",)
 _SGLANG_HIT_RATE = ("sglang:cache_hit_rate",)
+_SGLANG_CACHED = "sglang:cached_tokens_total"  # one series per cache_source (device/host/...)
+_SGLANG_PROMPT = ("sglang:prompt_tokens_total",)  # all prompt tokens, cached ones included
+_SGLANG_MAX_TOKENS = ("sglang:max_total_num_tokens",)
 _SGLANG_CONFIG = "sglang:cache_config_info"
+# llama-server: no KV usage gauge and no DP ranks; prompt_tokens_total *excludes* cached tokens.
+_LLAMA_RUNNING = ("llamacpp:requests_processing",)
+_LLAMA_WAITING = ("llamacpp:requests_deferred",)
+_LLAMA_CACHED = ("llamacpp:prompt_tokens_cached_total",)
+_LLAMA_COMPUTED = ("llamacpp:prompt_tokens_total",)
 
 
 class MetricsParseError(ValueError):
@@ -70,7 +94,8 @@ class EngineLoad:
     num_running: int | None = None
     num_waiting: int | None = None
     kv_usage: float | None = None  # 0..1, mean over DP ranks
-    # Cumulative token counters (vLLM); a hit rate needs two scrapes, see ``hit_rate_between``.
+    # Cumulative prompt-token counters: cached (hits) and all (queries). A hit rate needs two
+    # scrapes, see ``hit_rate_between``.
     prefix_cache_hits: int | None = None
     prefix_cache_queries: int | None = None
     block_size: int | None = None  # tokens per KV block (SGLang: page size)
@@ -78,13 +103,28 @@ class EngineLoad:
     engine: Engine = "unknown"
     # SGLang exports a ready-made hit-rate gauge instead of counters.
     cache_hit_rate: float | None = None
+    # vLLM: requests waiting because the KV cache is full (waiting_by_reason="capacity").
+    num_waiting_for_capacity: int | None = None
+    # KV capacity in tokens where the engine states it without a block count (SGLang
+    # max_total_num_tokens, llama.cpp slots x context, vLLM kv_cache_size_tokens).
+    token_capacity: int | None = None
+    slots: int | None = None  # llama.cpp parallel slots (-np)
 
     @property
     def capacity_tokens(self) -> int | None:
-        """GPU KV capacity in tokens, when the engine reports its cache configuration."""
-        if self.block_size is None or self.num_gpu_blocks is None:
-            return None
-        return self.block_size * self.num_gpu_blocks
+        """KV capacity in tokens, when the engine reports its cache configuration."""
+        if self.block_size is not None and self.num_gpu_blocks is not None:
+            return self.block_size * self.num_gpu_blocks
+        return self.token_capacity
+
+    @property
+    def understood(self) -> bool:
+        """Whether the page gave any load signal at all (running, waiting or KV usage)."""
+        return (
+            self.num_running is not None
+            or self.num_waiting is not None
+            or (self.kv_usage is not None)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +140,16 @@ def _rank(labels: Mapping[str, str]) -> str:
     return ""
 
 
-def _per_rank(samples: Iterable[_Sample]) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _per_rank(samples: Iterable[_Sample], part_label: str | None = None) -> dict[str, float]:
+    """Value per DP rank: copies of one series collapse with max; series that are distinct
+    parts of one total (``part_label``, e.g. SGLang's cache_source) are added up."""
+    parts: dict[tuple[str, str], float] = {}
     for s in samples:
-        key = _rank(s.labels)
-        out[key] = max(out.get(key, s.value), s.value)
+        key = (_rank(s.labels), s.labels.get(part_label, "") if part_label else "")
+        parts[key] = max(parts.get(key, s.value), s.value)
+    out: dict[str, float] = {}
+    for (rank, _), value in parts.items():
+        out[rank] = out.get(rank, 0.0) + value
     return out
 
 
@@ -115,8 +160,10 @@ def _pick(by_name: Mapping[str, list[_Sample]], names: tuple[str, ...]) -> list[
     return []
 
 
-def _sum(by_name: Mapping[str, list[_Sample]], names: tuple[str, ...]) -> int | None:
-    ranks = _per_rank(_pick(by_name, names))
+def _sum(
+    by_name: Mapping[str, list[_Sample]], names: tuple[str, ...], part_label: str | None = None
+) -> int | None:
+    ranks = _per_rank(_pick(by_name, names), part_label)
     return round(sum(ranks.values())) if ranks else None
 
 
@@ -140,18 +187,22 @@ def _int_label(labels: Mapping[str, str], name: str) -> int | None:
     return value if value > 0 else None
 
 
-def _cache_config(
-    samples: list[_Sample], size_label: str, count_label: str
-) -> tuple[int | None, int | None]:
-    """(block size, total blocks) from an info gauge; one sample per DP rank, if any."""
-    block_size: int | None = None
+def _label_total(samples: list[_Sample], label: str) -> int | None:
+    """Sum over DP ranks of an integer label of an info gauge (one sample per rank)."""
     per_rank: dict[str, int] = {}
     for s in samples:
-        block_size = block_size or _int_label(s.labels, size_label)
-        count = _int_label(s.labels, count_label)
-        if count is not None:
-            per_rank[_rank(s.labels)] = count
-    return block_size, (sum(per_rank.values()) if per_rank else None)
+        value = _int_label(s.labels, label)
+        if value is not None:
+            per_rank[_rank(s.labels)] = value
+    return sum(per_rank.values()) if per_rank else None
+
+
+def _first_label(samples: list[_Sample], label: str) -> int | None:
+    for s in samples:
+        value = _int_label(s.labels, label)
+        if value is not None:
+            return value
+    return None
 
 
 def _collect(text: str) -> dict[str, list[_Sample]]:
@@ -168,50 +219,93 @@ def _collect(text: str) -> dict[str, list[_Sample]]:
     return by_name
 
 
-def _detect(by_name: Mapping[str, list[_Sample]]) -> Engine:
-    if any(name.startswith("vllm:") for name in by_name):
-        return "vllm"
-    if any(name.startswith("sglang:") for name in by_name):
-        return "sglang"
+def detect_engine(names: Iterable[str]) -> Engine:
+    """The engine whose metric prefix appears first among ``names``."""
+    for name in names:
+        for prefix, engine in _PREFIXES:
+            if name.startswith(prefix):
+                return engine
     return "unknown"
 
 
-def parse_metrics(text: str, instance_id: str, now_s: float) -> EngineLoad:
-    """Parse one ``/metrics`` page. Raises ``MetricsParseError`` on malformed text."""
+def _vllm(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:
+    config = by_name.get(_VLLM_CONFIG, [])
+    by_reason = by_name.get(_VLLM_WAITING_BY_REASON, [])
+    waiting = _sum(by_name, _VLLM_WAITING)
+    if waiting is None and by_reason:
+        waiting = round(sum(_per_rank(by_reason, "reason").values()))
+    capacity_waits = [s for s in by_reason if s.labels.get("reason") == "capacity"]
+    hits, queries = _sum(by_name, _VLLM_HITS), _sum(by_name, _VLLM_QUERIES)
+    if hits is None and queries is None:
+        hits, queries = _sum(by_name, _VLLM_CACHED_PROMPT), _sum(by_name, _VLLM_PROMPT)
+    return _replace(
+        base,
+        engine="vllm",
+        num_running=_sum(by_name, _VLLM_RUNNING),
+        num_waiting=waiting,
+        num_waiting_for_capacity=round(sum(_per_rank(capacity_waits).values()))
+        if capacity_waits
+        else None,
+        kv_usage=_mean(by_name, _VLLM_USAGE),
+        prefix_cache_hits=hits,
+        prefix_cache_queries=queries,
+        block_size=_first_label(config, "block_size"),
+        num_gpu_blocks=_label_total(config, "num_gpu_blocks"),
+        token_capacity=_label_total(config, "kv_cache_size_tokens"),
+    )
+
+
+def _sglang(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:
+    config = by_name.get(_SGLANG_CONFIG, [])
+    hits = _sum(by_name, (_SGLANG_CACHED,), "cache_source")  # newer SGLang only
+    return _replace(
+        base,
+        engine="sglang",
+        num_running=_sum(by_name, _SGLANG_RUNNING),
+        num_waiting=_sum(by_name, _SGLANG_WAITING),
+        kv_usage=_mean(by_name, _SGLANG_USAGE),
+        prefix_cache_hits=hits,
+        prefix_cache_queries=None if hits is None else _sum(by_name, _SGLANG_PROMPT),
+        block_size=_first_label(config, "page_size"),
+        num_gpu_blocks=_label_total(config, "num_pages"),
+        token_capacity=_sum(by_name, _SGLANG_MAX_TOKENS),
+        cache_hit_rate=_mean(by_name, _SGLANG_HIT_RATE),
+    )
+
+
+def _llamacpp(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:
+    cached, computed = _sum(by_name, _LLAMA_CACHED), _sum(by_name, _LLAMA_COMPUTED)
+    return _replace(
+        base,
+        engine="llamacpp",
+        num_running=_sum(by_name, _LLAMA_RUNNING),
+        num_waiting=_sum(by_name, _LLAMA_WAITING),
+        prefix_cache_hits=cached,
+        # llama-server counts computed and cached prompt tokens apart; queries are both.
+        prefix_cache_queries=None if cached is None or computed is None else cached + computed,
+    )
+
+
+def _replace(base: EngineLoad, **fields: object) -> EngineLoad:
+    return EngineLoad(base.instance_id, base.scraped_at_s, **fields)  # type: ignore[arg-type]
+
+
+_FLAVOURS = {"vllm": _vllm, "sglang": _sglang, "llamacpp": _llamacpp}
+
+
+def parse_metrics(
+    text: str, instance_id: str, now_s: float, engine: EngineHint = "auto"
+) -> EngineLoad:
+    """Parse one ``/metrics`` page. Raises ``MetricsParseError`` on malformed text.
+
+    ``engine`` picks the flavour; ``"auto"`` detects it from the metric names. A page that
+    holds none of the flavour's names yields an ``EngineLoad`` that is not ``understood``.
+    """
     by_name = _collect(text)
-    engine = _detect(by_name)
-    if engine == "vllm":
-        block_size, blocks = _cache_config(
-            by_name.get(_VLLM_CONFIG, []), "block_size", "num_gpu_blocks"
-        )
-        return EngineLoad(
-            instance_id=instance_id,
-            scraped_at_s=now_s,
-            num_running=_sum(by_name, _VLLM_RUNNING),
-            num_waiting=_sum(by_name, _VLLM_WAITING),
-            kv_usage=_mean(by_name, _VLLM_USAGE),
-            prefix_cache_hits=_sum(by_name, _VLLM_HITS),
-            prefix_cache_queries=_sum(by_name, _VLLM_QUERIES),
-            block_size=block_size,
-            num_gpu_blocks=blocks,
-            engine="vllm",
-        )
-    if engine == "sglang":
-        block_size, blocks = _cache_config(
-            by_name.get(_SGLANG_CONFIG, []), "page_size", "num_pages"
-        )
-        return EngineLoad(
-            instance_id=instance_id,
-            scraped_at_s=now_s,
-            num_running=_sum(by_name, _SGLANG_RUNNING),
-            num_waiting=_sum(by_name, _SGLANG_WAITING),
-            kv_usage=_mean(by_name, _SGLANG_USAGE),
-            block_size=block_size,
-            num_gpu_blocks=blocks,
-            engine="sglang",
-            cache_hit_rate=_mean(by_name, _SGLANG_HIT_RATE),
-        )
-    return EngineLoad(instance_id=instance_id, scraped_at_s=now_s)
+    flavour = detect_engine(by_name) if engine == "auto" else engine
+    base = EngineLoad(instance_id=instance_id, scraped_at_s=now_s)
+    parse = _FLAVOURS.get(flavour)
+    return base if parse is None else parse(by_name, base)
 
 
 def hit_rate_between(earlier: EngineLoad, later: EngineLoad) -> float | None:
@@ -221,7 +315,7 @@ def hit_rate_between(earlier: EngineLoad, later: EngineLoad) -> float | None:
     counters went backwards (the engine restarted, so the difference means nothing).
     """
     if later.cache_hit_rate is not None and later.prefix_cache_queries is None:
-        return later.cache_hit_rate  # SGLang: the engine already computed it
+        return later.cache_hit_rate  # SGLang without counters: the engine computed it
     values = (
         earlier.prefix_cache_hits,
         earlier.prefix_cache_queries,

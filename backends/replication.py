@@ -17,6 +17,7 @@ A sink copies a command's blocks from its source to its destination and reports 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -63,3 +64,46 @@ class DryRunSink:
     async def execute(self, cmd: ReplicationCommand) -> ReplicationResult:
         self.commands.append(cmd)
         return ReplicationResult(cmd.command_id, Outcome.NOT_EXECUTED, error="dry_run")
+
+
+@runtime_checkable
+class ManagedSink(Protocol):
+    """A sink with a connection to open at start-up and close at shutdown."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class SinkByDestination:
+    """Per-pool sinks: each command runs on the sink of its destination's pool.
+
+    ``sink_of`` names the sink for an instance id (the pool's ``replication_sink`` or the
+    default); a name without a sink here (a dry-run pool, an unknown instance) executes nothing.
+    """
+
+    def __init__(
+        self,
+        sinks: Mapping[str, ReplicationSinkProtocol],
+        sink_of: Callable[[str], str],
+    ) -> None:
+        self._sinks = dict(sinks)
+        self._sink_of = sink_of
+
+    async def execute(self, cmd: ReplicationCommand) -> ReplicationResult:
+        name = self._sink_of(cmd.destination)
+        sink = self._sinks.get(name)
+        if sink is None:
+            error = f"no {name} sink for destination {cmd.destination}"
+            return ReplicationResult(cmd.command_id, Outcome.NOT_EXECUTED, error=error)
+        return await sink.execute(cmd)
+
+    async def start(self) -> None:
+        for sink in self._sinks.values():
+            if isinstance(sink, ManagedSink):
+                await sink.start()
+
+    async def close(self) -> None:
+        for sink in self._sinks.values():
+            if isinstance(sink, ManagedSink):
+                await sink.close()

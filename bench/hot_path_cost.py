@@ -163,7 +163,7 @@ def _core_run(n: int, reps: int, tmp: Path) -> list[float]:
     parse = [
         parse_request(
             CHAT, chat_body(i), {}, f"r{i}", 0.0,
-            settings=settings, tokenizer=gw.tokenizer, hasher=gw.hasher,
+            settings=settings, encoder=gw.prompt_encoder, hasher=gw.hasher,
         ).info
         for i in range(256)
     ]  # fmt: skip

@@ -13,7 +13,9 @@ from urllib.parse import urlsplit
 from config.errors import MISSING, IssueCollector
 from config.settings import (
     AdmissionSettings,
+    EngineKind,
     InstanceSettings,
+    KVConnector,
     PoolSettings,
     PredictorSettings,
     Protocol,
@@ -30,19 +32,40 @@ _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def inherit_pool_role(pool: Mapping[str, Any]) -> Mapping[str, Any]:
-    """An instance table inside a pool may omit ``role``: it inherits the pool's role."""
+    """An instance table inside a pool may omit ``role`` and ``model``: it inherits the pool's."""
     role, instances = pool.get("role"), pool.get("instances")
-    if (
-        not isinstance(role, str)
-        or role.lower() not in {r.value for r in Role}
-        or not isinstance(instances, list)
-    ):
-        return pool  # an invalid pool role is reported once, on the pool, not on every instance
-    filled = [
-        {"role": role, **inst} if isinstance(inst, Mapping) and "role" not in inst else inst
-        for inst in instances
-    ]
+    if not isinstance(instances, list):
+        return pool
+    inherited = {}
+    # An invalid pool role is reported once, on the pool, not on every instance.
+    if isinstance(role, str) and role.lower() in {r.value for r in Role}:
+        inherited["role"] = role
+    for key in ("model", "kv_connector"):
+        if isinstance(pool.get(key), str):
+            inherited[key] = pool[key]
+    filled = [{**inherited, **inst} if isinstance(inst, Mapping) else inst for inst in instances]
     return {**pool, "instances": filled}
+
+
+def assign_pool_models(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``models[].pools`` names the pools of each model: write the model's name into those pools
+    (which pass it on to their instances). Mismatches are reported by the checks."""
+    models, pools = data.get("models"), data.get("pools")
+    if not isinstance(models, list) or not isinstance(pools, list):
+        return data
+    owner: dict[str, str] = {}
+    for m in models:
+        if isinstance(m, Mapping) and isinstance(m.get("name"), str):
+            for pool_name in m.get("pools") or ():
+                if isinstance(pool_name, str):
+                    owner.setdefault(pool_name, m["name"])
+    filled = [
+        {"model": owner[p["name"]], **p}
+        if isinstance(p, Mapping) and isinstance(p.get("name"), str) and p["name"] in owner
+        else p
+        for p in pools
+    ]
+    return {**data, "pools": filled}
 
 
 class _Checker:
@@ -99,7 +122,9 @@ def check_settings(s: Settings, issues: IssueCollector) -> None:
     _check_admission(c, s.admission)
     _check_predictors(c, s.predictors)
     _check_pools(c, s.pools)
+    _check_models(c, s)
     _check_replication(c, s.replication)
+    _check_pool_sinks(c, s.pools)
     _check_server(c, s.server)
 
 
@@ -133,6 +158,7 @@ def _check_routing(c: _Checker, r: RoutingSettings) -> None:
     c.at_least("routing.kvcache_balancing_threshold", r.kvcache_balancing_threshold, 1)
     c.at_least("routing.min_transfer_blocks", r.min_transfer_blocks, 0)
     c.positive("routing.predict_on_route_ttl_s", r.predict_on_route_ttl_s)
+    c.non_empty("routing.model_dir", r.model_dir)
     c.non_empty("routing.tokenizer_file", r.tokenizer_file)
     c.positive("routing.chars_per_token", r.chars_per_token)
     c.at_least("routing.seed", r.seed, 0)  # numpy's default_rng rejects negative seeds
@@ -154,6 +180,7 @@ def _check_admission(c: _Checker, a: AdmissionSettings) -> None:
 def _check_predictors(c: _Checker, p: PredictorSettings) -> None:
     c.non_empty("predictors.profile", p.profile)
     c.non_empty("predictors.prefill_model_file", p.prefill_model_file)
+    c.non_empty("predictors.profile_file", p.profile_file)
     c.at_least("predictors.overhead_ms", p.overhead_ms, 0)
     for name in ("link_bandwidth_gbps", "host_load_gbps", "store_load_gbps"):
         c.positive(f"predictors.{name}", getattr(p, name))
@@ -190,6 +217,19 @@ def _check_pools(c: _Checker, pools: tuple[PoolSettings, ...]) -> None:
         first = disaggregated[0][1].protocol
         msg = f"prefill/decode instances must share one protocol (others use {first})"
         c.require(False, f"{ikey}.protocol", inst.protocol, msg)
+    _check_kv_connectors(c, disaggregated)
+
+
+def _check_kv_connectors(c: _Checker, disaggregated: list[tuple[str, InstanceSettings]]) -> None:
+    """A model's prefill and decode engines move KV one way: one vLLM connector style each."""
+    first: dict[str | None, KVConnector] = {}
+    for ikey, inst in disaggregated:
+        style = inst.kv_connector or KVConnector.NIXL
+        other = first.setdefault(inst.model, style)
+        if style is not other:
+            msg = f"prefill/decode instances must share one kv_connector (others use {other})"
+            c.require(False, f"{ikey}.kv_connector", inst.kv_connector, msg)
+            return
 
 
 def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSettings) -> None:
@@ -224,6 +264,13 @@ def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSet
             inst.bootstrap_port,
             f'is only used with protocol = "sglang" (this instance is "{inst.protocol}")',
         )
+    if inst.kv_connector is not None:
+        c.require(
+            inst.protocol is Protocol.VLLM,
+            f"{key}.kv_connector",
+            inst.kv_connector,
+            f'is only used with protocol = "vllm" (this instance is "{inst.protocol}")',
+        )
     if inst.kv_events_endpoint is not None:
         c.require(
             inst.kv_events_endpoint.startswith(_ZMQ_SCHEMES),
@@ -231,6 +278,70 @@ def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSet
             inst.kv_events_endpoint,
             "must be a ZMQ endpoint such as tcp://127.0.0.1:5557",
         )
+        if inst.kv_events_endpoint.startswith("tcp://"):
+            host, _, port = inst.kv_events_endpoint[6:].rpartition(":")
+            c.require(
+                bool(host) and port.isdigit(),
+                f"{key}.kv_events_endpoint",
+                inst.kv_events_endpoint,
+                "must be tcp://HOST:PORT (tcp://*:PORT when the engine binds)",
+            )
+    c.require(
+        inst.kv_events_bind is None or inst.kv_events_endpoint is not None,
+        f"{key}.kv_events_bind",
+        inst.kv_events_bind,
+        "is only used with kv_events_endpoint",
+    )
+    c.require(
+        inst.engine is not EngineKind.LLAMACPP or inst.role is Role.BOTH,
+        f"{key}.engine",
+        inst.engine,
+        f'llama.cpp has no prefill/decode split: its role must be "both" (not "{inst.role}")',
+    )
+
+
+def _check_models(c: _Checker, s: Settings) -> None:
+    pools = {p.name: p for p in s.pools}
+    names: dict[Any, str] = {}
+    served_by: dict[str, str] = {}
+    for i, m in enumerate(s.models):
+        key = f"models[{i}]"
+        c.non_empty(f"{key}.name", m.name)
+        for name in m.names():
+            c.unique(f"{key}.name", name, names, "model name or alias")
+        c.require(bool(m.pools), f"{key}.pools", list(m.pools), "must name at least one pool")
+        for pool_name in m.pools:
+            if pool_name not in pools:
+                known = ", ".join(sorted(pools)) or "none"
+                c.require(False, f"{key}.pools", pool_name, f"is not a pool (pools: {known})")
+            elif pool_name in served_by and served_by[pool_name] != m.name:
+                other = served_by[pool_name]
+                c.require(False, f"{key}.pools", pool_name, f"already serves model {other!r}")
+            served_by.setdefault(pool_name, m.name)
+        c.non_empty(f"{key}.profile", m.profile)
+        c.positive(f"{key}.ttft_s", m.ttft_s)
+        c.positive(f"{key}.tbt_s", m.tbt_s)
+        roles = {p.role for n in m.pools if (p := pools.get(n)) is not None}
+        if roles & {Role.PREFILL, Role.DECODE} and not {Role.PREFILL, Role.DECODE} <= roles:
+            msg = "needs both a prefill and a decode pool"
+            c.require(False, f"{key}.pools", list(m.pools), msg)
+    if not s.models:
+        return
+    for i, pool in enumerate(s.pools):
+        key = f"pools[{i}].model"
+        if pool.name not in served_by:
+            msg = "every pool must serve a model (list it in models[].pools)"
+            c.require(False, key, pool.model, msg)
+            continue
+        owner = served_by[pool.name]
+        c.require(pool.model == owner, key, pool.model, f"must be {owner!r}")
+        for j, inst in enumerate(pool.instances):
+            c.require(
+                inst.model == pool.model,
+                f"pools[{i}].instances[{j}].model",
+                inst.model,
+                f"must match its pool's model {pool.model!r} (or be omitted to inherit it)",
+            )
 
 
 def _check_replication(c: _Checker, r: ReplicationSettings) -> None:
@@ -247,10 +358,26 @@ def _check_replication(c: _Checker, r: ReplicationSettings) -> None:
     )
     for name in ("holder_queue_threshold_s", "cooldown_s", "max_retries"):
         c.at_least(f"replication.{name}", getattr(r, name), 0)
+    c.positive("replication.warmup_max_queue_s", r.warmup_max_queue_s)
+    c.at_least("replication.warmup_prefix_bytes", r.warmup_prefix_bytes, 1)
+
+
+def _check_pool_sinks(c: _Checker, pools: tuple[PoolSettings, ...]) -> None:
+    # Prefix copies go to instances that prefill; a decode pool never receives one.
+    for i, pool in enumerate(pools):
+        c.require(
+            pool.replication_sink is None or pool.role is not Role.DECODE,
+            f"pools[{i}].replication_sink",
+            pool.replication_sink,
+            "is not used by a decode pool (prefix copies go to instances that prefill)",
+        )
 
 
 def _check_server(c: _Checker, s: ServerSettings) -> None:
     c.non_empty("server.host", s.host)
+    c.at_least("server.refit_interval_s", s.refit_interval_s, 0)
+    c.at_least("server.refit_min_samples", s.refit_min_samples, 1)
+    c.at_least("server.refit_min_new_samples", s.refit_min_new_samples, 1)
     c.between("server.port", s.port, 1, 65535)
     if s.admin_token is not None:
         # A token read from a file often carries a trailing newline; it would never match.

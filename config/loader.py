@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from config.checks import check_settings, inherit_pool_role
+from config.checks import assign_pool_models, check_settings, inherit_pool_role
 from config.coerce import INVALID, BuildContext, build_dataclass, to_plain
 from config.errors import MISSING, ConfigError, IssueCollector
 from config.overrides import Layering, apply_env, apply_overrides
@@ -95,7 +95,7 @@ def _build(data: Mapping[str, Any], source: str, layering: Layering) -> Settings
     ctx = BuildContext(
         issues=issues,
         raw_strings=layering.raw_strings,
-        prepare={PoolSettings: inherit_pool_role},
+        prepare={Settings: assign_pool_models, PoolSettings: inherit_pool_role},
     )
     settings = build_dataclass(Settings, data, "", ctx)
     issues.raise_if_any()  # semantic checks need fully typed settings

@@ -27,6 +27,34 @@ class Protocol(StrEnum):
     OPENAI = "openai"
 
 
+class EngineKind(StrEnum):
+    """Which engine serves an instance: how its /metrics are read and its answers understood.
+    ``auto`` detects it from the metric names; ``openai`` is a server without /metrics."""
+
+    AUTO = "auto"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+    OPENAI = "openai"
+
+
+class KVConnector(StrEnum):
+    """How a vLLM prefill/decode pair moves KV, i.e. what the gateway must send each leg.
+
+    - ``nixl``: the decode pulls KV from the prefill (vLLM's NixlConnector; also MoRIIO in read
+      mode): the prefill leg asks for ``do_remote_decode`` and its answer's
+      ``kv_transfer_params`` go to the decode leg.
+    - ``shared_storage``: both engines reach one KV store and the decode finds the prompt's KV
+      by its tokens (vLLM's ExampleConnector, LMCacheConnectorV1 with a shared backend): a
+      one-token prefill leg, then the original request to the decode, no parameters.
+    vLLM's MooncakeConnector needs gateway-minted ``transfer_id``/``remote_bootstrap_addr``
+    and P2pNcclConnector encoded request ids: neither is supported yet.
+    """
+
+    NIXL = "nixl"
+    SHARED_STORAGE = "shared_storage"
+
+
 class AdmissionMode(StrEnum):
     NONE = "none"
     EARLY = "early"
@@ -40,8 +68,9 @@ class DecodePlacement(StrEnum):
 
 class ReplicationSink(StrEnum):
     DRY_RUN = "dry_run"
-    ENGINE = "engine"
+    ENGINE = "engine"  # the engine pulls the blocks (/internal/kv/fetch: kvgate's emulator)
     MOONCAKE_STORE = "mooncake_store"
+    WARMUP = "warmup"  # a one-token prefill of the prefix on the destination (any engine)
 
 
 def frozen_mapping(data: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
@@ -101,12 +130,18 @@ class RoutingSettings:
     kvcache_balancing_threshold: float = 1.5
     # Smallest remote prefix (in blocks) worth a transfer or a replication.
     min_transfer_blocks: int = 4
-    # Predict-on-route entries expire unless an engine KV event confirms them; None = never.
-    predict_on_route_ttl_s: float | None = None
+    # Predict-on-route entries expire unless the engine confirms them (a KV event, or its
+    # answer: a completed request's prompt is cached); None = never. 120 s outlasts the
+    # time a request normally takes to be answered (the default TTFT SLO is 30 s, the
+    # longest a client may ask for 120 s), so only beliefs nobody confirmed lapse.
+    predict_on_route_ttl_s: float | None = 120.0
     # Decode placement key: "committed" = TBT with everything already assigned to the
     # instance (running + still in prefill); "current" = TBT of the running batch only
     # (Mooncake's load balancing; herds requests onto instances whose newcomers are in prefill).
     decode_placement: DecodePlacement = DecodePlacement.COMMITTED
+    # Hugging Face model directory (tokenizer.json + chat template): the engine's own prompt
+    # tokens (backends/model_files.py). None = tokenizer_file, else the approximate tokenizer.
+    model_dir: str | None = None
     tokenizer_file: str | None = None
     chars_per_token: float = 4.0
     seed: int = 0
@@ -127,6 +162,9 @@ class PredictorSettings:
     profile: str = "llama3-8b-h100-tp1"
     # A learned prefill model saved by `kvgate predictors train`; None = analytic prior.
     prefill_model_file: str | None = None
+    # A profile measured on your own engine by `kvgate profile` (JSON); replaces `profile` for
+    # every instance without its own, and answers to its name in `instances[].profile`.
+    profile_file: str | None = None
     # Per-step engine overhead added to the GPU-time model (calibration README section 5).
     overhead_ms: float = 0.5
     # Network between instances (KV transfer prefill->decode and prefix pulls).
@@ -151,7 +189,16 @@ class InstanceSettings:
     host_capacity_tokens: int = 0  # HiCache-style host tier; 0 = none
     max_batch: int = 256
     bootstrap_port: int | None = None  # SGLang P/D
-    kv_events_endpoint: str | None = None  # vLLM ZMQ publisher, e.g. tcp://127.0.0.1:5557
+    # The engine's own --kv-events-config endpoint: tcp://*:5557 (the engine binds; kvgate
+    # connects to the url's host), ipc:///path.sock, or tcp://host:5557 (the engine connects;
+    # kvgate binds host:5557).
+    kv_events_endpoint: str | None = None
+    kv_events_bind: bool | None = None  # force kvgate's side: true = bind, false = connect
+    engine: EngineKind = EngineKind.AUTO  # metrics flavour (and llama.cpp's /slots)
+    # Served model name; filled from the pool (models[].pools) when the config has models.
+    model: str | None = None
+    # vLLM P/D KV connector style; inherited from the pool; None = nixl for vLLM P/D.
+    kv_connector: KVConnector | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +206,10 @@ class PoolSettings:
     name: str
     role: Role
     instances: tuple[InstanceSettings, ...] = ()
+    model: str | None = None  # filled from models[].pools; instances inherit it
+    kv_connector: KVConnector | None = None  # vLLM P/D pools; instances inherit it
+    # How copies *into* this pool's instances are made; None = replication.sink.
+    replication_sink: ReplicationSink | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +232,10 @@ class ReplicationSettings:
     # (an instance missing here uses its id as the segment name).
     store_master_addr: str = "127.0.0.1:50051"
     store_segments: Mapping[str, Any] = field(default_factory=frozen_mapping)
+    # Warm-up sink: send the prefill only while the destination's predicted queue is below
+    # this; token ids of recent prompts kept to rebuild prefixes from (bytes).
+    warmup_max_queue_s: float = 0.5
+    warmup_prefix_bytes: int = 64 * 1024 * 1024
 
 
 class TracingExporter(StrEnum):
@@ -201,11 +256,35 @@ class ServerSettings:
     scrape_interval_s: float = 1.0
     # Observed prefill timings refit the prefill predictor this often (0 = never).
     refit_interval_s: float = 60.0
-    refit_min_samples: int = 200
+    refit_min_samples: int = 200  # observations (+ a measured profile's sweep) for LightGBM
+    # Fewer new observations than this since the last refit: no refit. Between this and
+    # refit_min_samples the refit fits the analytic prefill form (3 coefficients) instead.
+    refit_min_new_samples: int = 20
     recent_decisions: int = 1000  # kept for /admin/decisions and predictor accuracy
     max_body_bytes: int = 16 * 1024 * 1024
     tracing: TracingExporter = TracingExporter.OFF
     otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """One served model: the name clients send as ``model``, the pools that serve it, and what
+    makes kvgate see its prompts and timings as its engines do. A request is only ever placed
+    on its model's instances; each model hashes prompts in its own key space."""
+
+    name: str
+    pools: tuple[str, ...]
+    # Other names clients may use for this model (e.g. the engines' --served-model-name).
+    aliases: tuple[str, ...] = ()
+    # Hugging Face model directory (tokenizer.json + chat template): engine-exact prompt tokens.
+    model_dir: str | None = None
+    tokenizer_file: str | None = None  # a bare tokenizer.json (no chat template)
+    profile: str | None = None  # predictor profile of its instances (an instance's own wins)
+    ttft_s: float | None = None  # SLO for this model's requests (None = slo.ttft_s)
+    tbt_s: float | None = None
+
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +294,17 @@ class Settings:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     predictors: PredictorSettings = field(default_factory=PredictorSettings)
     pools: tuple[PoolSettings, ...] = ()
+    # Served models (empty = one unnamed model served by every pool, as before).
+    models: tuple[ModelSettings, ...] = ()
     replication: ReplicationSettings = field(default_factory=ReplicationSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
 
     def instances(self) -> tuple[InstanceSettings, ...]:
         return tuple(i for p in self.pools for i in p.instances)
+
+    def served_model(self, name: str) -> ModelSettings | None:
+        """The model a request's ``model`` names (by name or alias); None if none does."""
+        for m in self.models:
+            if name in m.names():
+                return m
+        return None

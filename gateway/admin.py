@@ -95,6 +95,7 @@ class AdminAPI:
             Route("/admin/instances/{iid}", a(self.delete_instance), methods=["DELETE"]),
             Route("/admin/instances/{iid}/drain", a(self.drain), methods=["POST"]),
             Route("/admin/state", a(self.state), methods=["GET"]),
+            Route("/admin/models", a(self.models), methods=["GET"]),
             Route("/admin/decisions", a(self.decisions), methods=["GET"]),
             Route("/admin/predictors", a(self.predictors), methods=["GET"]),
             Route("/admin/replication", a(self.replication), methods=["GET"]),
@@ -134,8 +135,16 @@ class AdminAPI:
             spec_data = await self._json(request)
             current = settings_to_dict(gw.settings)
             pools = current.setdefault("pools", [])
-            role = spec_data.get("role")
-            pool = next((p for p in pools if p.get("role") == role), None)
+            role, model = spec_data.get("role"), spec_data.get("model")
+            # With several models the instance joins a pool of its role serving its model.
+            pool = next(
+                (
+                    p
+                    for p in pools
+                    if p.get("role") == role and (model is None or p.get("model") == model)
+                ),
+                None,
+            )
             if pool is None:
                 pool = {"name": str(role), "role": role, "instances": []}
                 pools.append(pool)
@@ -180,6 +189,7 @@ class AdminAPI:
         return {
             "id": iid,
             "role": inst.role.value,
+            "model": inst.model,
             "url": spec.url if spec else None,
             "protocol": spec.protocol.value if spec else None,
             "healthy": inst.healthy,
@@ -217,6 +227,31 @@ class AdminAPI:
                 "instances": [self._instance_view(iid) for iid in c.instances],
             }
         )
+
+    async def models(self, request: Request) -> Response:
+        """Per served model: its pools, instances, SLO and requests in flight."""
+        c = self.gw.conductor
+        in_flight: dict[str | None, int] = {}
+        for rec in c.requests.values():
+            in_flight[rec.request.model] = in_flight.get(rec.request.model, 0) + 1
+        out = []
+        for m in self.gw.settings.models:
+            insts = [i for i in c.instances.values() if i.model == m.name]
+            out.append(
+                {
+                    "name": m.name,
+                    "aliases": list(m.aliases),
+                    "pools": list(m.pools),
+                    "exact_prompt_tokens": bool(m.model_dir or m.tokenizer_file),
+                    "slo": {
+                        "ttft_s": m.ttft_s or self.gw.settings.slo.ttft_s,
+                        "tbt_s": m.tbt_s or self.gw.settings.slo.tbt_s,
+                    },
+                    "instances": {i.id: i.eligible for i in insts},
+                    "requests_in_flight": in_flight.get(m.name, 0),
+                }
+            )
+        return JSONResponse(out)
 
     async def decisions(self, request: Request) -> Response:
         try:

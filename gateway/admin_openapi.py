@@ -124,6 +124,12 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "state", **_ANY}, "401": _ERROR},
             }
         },
+        "/admin/models": {
+            "get": {
+                "summary": "Served models: pools, instances, SLO, requests in flight",
+                "responses": {"200": {"description": "models", **_LIST}, "401": _ERROR},
+            }
+        },
         "/admin/decisions": {
             "get": {
                 "summary": "Recent decisions, predicted vs observed TTFT/TBT",

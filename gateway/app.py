@@ -65,10 +65,10 @@ class GatewayApp:
 
     # ---- small Starlette endpoints ----
     async def models(self, request: Request) -> Response:
-        profiles = sorted(
-            {i.predictors.profile.name for i in self.gateway.conductor.instances.values()}
-        )
-        data = [{"id": p, "object": "model", "owned_by": "kvgate"} for p in profiles]
+        """The configured models (names and aliases) or, with no ``models`` table, whatever
+        the engines themselves serve."""
+        ids = await self.gateway.served_model_ids()
+        data = [{"id": m, "object": "model", "owned_by": "kvgate"} for m in ids]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

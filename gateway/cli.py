@@ -8,16 +8,18 @@ from collections.abc import Sequence
 
 
 def _config_check(args: argparse.Namespace) -> int:
+    from backends.profile_file import ProfileFileError, load_measured_profile
     from config.loader import ConfigError, load_settings, settings_to_dict
     from routing.policies.registry import PolicyError, build_policy
 
     try:
         settings = load_settings(args.file)
         build_policy(settings.routing.policy, settings.routing.params)
+        load_measured_profile(settings.predictors)  # predictors.profile_file, if set
     except ConfigError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
-    except PolicyError as exc:
+    except (PolicyError, ProfileFileError) as exc:
         print(f"kvgate: {args.file}: {exc}", file=sys.stderr)
         return 2
     if args.show:
@@ -69,6 +71,12 @@ def _demo(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from backends.profile_cli import main
+
+    return main(args)
+
+
 def _replay(args: argparse.Namespace) -> int:
     from replay.loadgen import main
 
@@ -106,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_emulate_args(emulate)
     emulate.set_defaults(func=_emulate)
+
+    profile = sub.add_parser(
+        "profile", help="measure a live engine and write a predictor profile for it"
+    )
+    from backends.profile_cli import add_arguments as add_profile_args
+
+    add_profile_args(profile)
+    profile.set_defaults(func=_profile)
 
     cfg = sub.add_parser("config", help="check or show a configuration file")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")

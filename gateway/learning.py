@@ -1,9 +1,13 @@
 """Learning from what the gateway observes: prediction accuracy and prefill-model refits.
 
 Observed prefill durations (when the instance had no queue, so the time is the prefill itself)
-are collected per profile; every ``refit_interval_s`` with enough samples a LightGBM prefill
-model is trained in a worker thread (never on the event loop) and swapped in atomically: the
-Conductor's instances get a new frozen ``InstancePredictors``.
+are collected per profile; every ``refit_interval_s`` a refit runs in a worker thread (never on
+the event loop) and is swapped in atomically: the Conductor's instances get a new frozen
+``InstancePredictors``. A refit needs ``min_new_samples`` observations since the last one. It
+trains on the observations plus the prior (the sweep of a profile measured by `kvgate profile`):
+with ``min_samples`` of them a LightGBM model, with fewer the analytic P5 form, whose three
+non-negative coefficients a few dozen samples pin down. (Before, a refit needed 200 no-queue
+observations and nothing else counted, so a short run never refit at all.)
 """
 
 from __future__ import annotations
@@ -11,10 +15,14 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from predictors.fitting import fit_p5
+from predictors.prefill import AnalyticPrefill
+from predictors.profiles import PrefillCoeffs
 from predictors.samples import PrefillSamples
 from routing.conductor import Conductor
 
@@ -44,17 +52,32 @@ class _Samples:
     new: deque[int] = field(default_factory=lambda: deque(maxlen=20_000))
     cached: deque[int] = field(default_factory=lambda: deque(maxlen=20_000))
     seconds: deque[float] = field(default_factory=lambda: deque(maxlen=20_000))
+    total: int = 0  # observations ever made (the deques forget the oldest)
 
 
 class Learner:
-    def __init__(self, conductor: Conductor, recent: int, min_samples: int) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        recent: int,
+        min_samples: int,
+        *,
+        min_new_samples: int = 20,
+        prior: Mapping[str | None, PrefillSamples] | None = None,
+    ) -> None:
+        """``prior``: per profile key (as ``observe_prefill`` gets it), samples a refit starts
+        from: a measured profile's sweep."""
         self.conductor = conductor
         self.decisions: deque[DecisionRecord] = deque(maxlen=recent)
         self._by_id: dict[str, DecisionRecord] = {}
         self.min_samples = min_samples
+        self.min_new_samples = min_new_samples
+        self._prior = dict(prior or {})
         self._samples: dict[str | None, _Samples] = {}
+        self._used: dict[str | None, int] = {}  # observations seen by the last refit, per key
         self.refits = 0
         self.last_refit_mape_pct: float | None = None
+        self.last_refit_kind: str | None = None
 
     # ---- decisions and accuracy ----
     def record(self, rec: DecisionRecord) -> None:
@@ -86,36 +109,66 @@ class Learner:
             "tbt_mape_pct": round(statistics.fmean(tbt) * 100, 2) if tbt else None,
             "prefill_samples": {str(k): len(v.seconds) for k, v in self._samples.items()},
             "refits": self.refits,
+            "last_refit_kind": self.last_refit_kind,
             "last_refit_holdout_mape_pct": self.last_refit_mape_pct,
+            "refit_min_new_samples": self.min_new_samples,
+            "prior_samples": {str(k): len(v) for k, v in self._prior.items()},
         }
 
     # ---- prefill samples and refits ----
     def observe_prefill(
         self, profile: str | None, new_tokens: int, cached_tokens: int, seconds: float
     ) -> None:
+        if not seconds > 0:
+            return  # a zero time cannot be fitted on relative error
         s = self._samples.setdefault(profile, _Samples())
         s.new.append(new_tokens)
         s.cached.append(cached_tokens)
         s.seconds.append(seconds)
+        s.total += 1
+
+    def training_set(self, profile: str | None) -> PrefillSamples | None:
+        """Prior + observations for ``profile`` when a refit is due, else None."""
+        s = self._samples.get(profile)
+        if s is None or s.total - self._used.get(profile, 0) < self.min_new_samples:
+            return None
+        prior = self._prior.get(profile)
+        new = list(s.new)
+        cached = list(s.cached)
+        seconds = list(s.seconds)
+        if prior is not None:
+            new = [*prior.new_tokens.tolist(), *new]
+            cached = [*prior.cached_tokens.tolist(), *cached]
+            seconds = [*prior.seconds.tolist(), *seconds]
+        return PrefillSamples(
+            new_tokens=np.array(new, dtype=np.int64),
+            cached_tokens=np.array(cached, dtype=np.int64),
+            seconds=np.array(seconds, dtype=np.float64),
+            source="gateway observations" + (" + measured profile" if prior is not None else ""),
+            config=None,
+            includes_overhead=True,
+        )
 
     async def refit(self) -> int:
-        """Train a prefill model per profile with enough samples; returns how many swapped."""
+        """Refit the prefill model of each profile with enough new samples; returns how many
+        were swapped in."""
         loop = asyncio.get_running_loop()
         swapped = 0
-        for profile, s in list(self._samples.items()):
-            if len(s.seconds) < self.min_samples:
+        for profile in list(self._samples):
+            samples = self.training_set(profile)
+            if samples is None:
                 continue
-            samples = PrefillSamples(
-                new_tokens=np.array(s.new, dtype=np.int64),
-                cached_tokens=np.array(s.cached, dtype=np.int64),
-                seconds=np.array(s.seconds, dtype=np.float64),
-                source="gateway observations",
-                config=None,
-                includes_overhead=True,
-            )
-            model, report = await loop.run_in_executor(None, _train, samples)
-            self._swap(profile, model.compiled)
-            self.last_refit_mape_pct = report.mape_compiled_pct
+            self._used[profile] = self._samples[profile].total
+            if len(samples) >= self.min_samples:
+                model, report = await loop.run_in_executor(None, _train, samples)
+                self._swap(profile, model.compiled)
+                self.last_refit_mape_pct = report.mape_compiled_pct
+                self.last_refit_kind = "lightgbm"
+            else:
+                prefill, mape = await loop.run_in_executor(None, fit_analytic_prefill, samples)
+                self._swap(profile, prefill)
+                self.last_refit_mape_pct = mape  # in-sample: too few rows to hold some out
+                self.last_refit_kind = "analytic"
             self.refits += 1
             swapped += 1
         return swapped
@@ -132,6 +185,23 @@ class Learner:
             if key not in cache:
                 cache[key] = replace(inst.predictors, prefill=prefill_model)
             inst.predictors = cache[key]  # type: ignore[assignment]
+
+
+def fit_analytic_prefill(samples: PrefillSamples) -> tuple[AnalyticPrefill, float]:
+    """P5 by relative non-negative least squares; the times include the engine overhead."""
+    fit = fit_p5(
+        samples.new_tokens.astype(np.float64),
+        samples.cached_tokens.astype(np.float64),
+        samples.seconds * 1000.0,
+    )
+    coeffs = PrefillCoeffs(a_ms=fit.a, b_ms=fit.b, n0=fit.n0, c_ms=fit.c)
+    prefill = AnalyticPrefill(
+        fixed_s=coeffs.a_ms / 1000.0,
+        per_token_s=coeffs.b_ms / 1000.0,
+        knee_tokens=coeffs.n0,
+        attn_s=coeffs.c_ms / 1000.0,
+    )
+    return prefill, round(fit.mape_pct, 3)
 
 
 def _train(samples: PrefillSamples):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from routing.cache_feedback import CacheFeedback
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
@@ -61,7 +63,7 @@ class GatewayMetrics:
         )
         self.cache_hit = Gauge(
             "kvgate_cache_hit_ratio",
-            "Share of prompt tokens placed on a cached prefix",
+            "Share of prompt tokens placed on a prefix kvgate believed cached (answered requests)",
             registry=r,
         )
         self.replications = Counter(
@@ -85,6 +87,35 @@ class GatewayMetrics:
             "kvgate_upstream_errors", "Engine leg failures", ["instance"], registry=r
         )
         self.retries = Counter("kvgate_retries", "Requests retried on another instance", registry=r)
+        # The cache view against the engines' own reports, over the answers that carry one.
+        self.engine_cache_hit = Gauge(
+            "kvgate_engine_cache_hit_ratio",
+            "Share of prompt tokens the engines reported cached (answers with a report)",
+            registry=r,
+        )
+        feedback = Counter(
+            "kvgate_cache_feedback_tokens",
+            "Prompt tokens of answers with an engine cache report: all, predicted cached by "
+            "kvgate, reported cached by the engine (in kvgate's tokens)",
+            ["kind"],
+            registry=r,
+        )
+        self._fb_prompt = feedback.labels("prompt")
+        self._fb_predicted = feedback.labels("predicted_cached")
+        self._fb_engine = feedback.labels("engine_cached")
+        self.view_dropped = Counter(
+            "kvgate_cache_view_dropped_blocks",
+            "Blocks dropped from the cache view because an engine reported them evicted",
+            registry=r,
+        )
+        self.engine_metrics_understood = Gauge(
+            "kvgate_engine_metrics_understood",
+            "1 if the instance's /metrics gave a load signal kvgate understands, else 0",
+            ["instance"],
+            registry=r,
+        )
+        self._reported_prompt = 0
+        self._reported_cached = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
@@ -93,6 +124,19 @@ class GatewayMetrics:
         self._cached_tokens += cached_tokens
         if self._prompt_tokens:
             self.cache_hit.set(self._cached_tokens / self._prompt_tokens)
+
+    def cache_feedback(self, fb: CacheFeedback) -> None:
+        if fb.dropped_blocks:
+            self.view_dropped.inc(fb.dropped_blocks)
+        if fb.engine_cached_tokens is None:
+            return
+        self._fb_prompt.inc(fb.prompt_tokens)
+        self._fb_predicted.inc(fb.predicted_cached_tokens)
+        self._fb_engine.inc(fb.engine_cached_tokens)
+        self._reported_prompt += fb.prompt_tokens
+        self._reported_cached += fb.engine_cached_tokens
+        if self._reported_prompt:
+            self.engine_cache_hit.set(self._reported_cached / self._reported_prompt)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

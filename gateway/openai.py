@@ -13,20 +13,38 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.settings import Settings
+from gateway.models import ModelRoute
 from routing.hashing import BlockHasher
-from routing.prompt import PromptError, chat_prompt_text
-from routing.tokenizer import Tokenizer
+from routing.prompt import PromptError
+from routing.prompt_encoder import CHAT_PATH, PromptEncoder
 from routing.types import RequestInfo
 
 COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-_TOKEN_ID_LIMIT = 1 << 32  # block hashing packs ids as uint32
+CHAT = CHAT_PATH
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def served_route(body: Mapping[str, Any], routes: Mapping[str, ModelRoute]) -> ModelRoute:
+    """The route of the model the body names; 404 ``model_not_found`` as OpenAI answers."""
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("'model' must name a served model (see GET /v1/models)", "model")
+    route = routes.get(name)
+    if route is None:
+        raise BadRequest(
+            f"The model `{name}` does not exist (served: {', '.join(sorted(routes))})",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    return route
 
 
 def error_body(message: str, type_: str, *, param: str | None = None, code: str | None = None):
@@ -36,33 +54,18 @@ def error_body(message: str, type_: str, *, param: str | None = None, code: str 
 
 
 def prompt_blocks(
-    path: str, body: Mapping[str, Any], tokenizer: Tokenizer, hasher: BlockHasher
+    path: str, body: Mapping[str, Any], encoder: PromptEncoder, hasher: BlockHasher
 ) -> tuple[tuple[int, ...], int]:
     """``(block hashes, prompt token count)`` of the request's prompt."""
-    if path == CHAT:
-        try:
-            text = chat_prompt_text(body.get("messages"))
-        except PromptError as exc:
-            raise BadRequest(str(exc), exc.param) from None
-        return hasher.hash_text(text, tokenizer)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("'prompt' must not be empty", "prompt")
-        return hasher.hash_text(prompt, tokenizer)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        if not all(0 <= t < _TOKEN_ID_LIMIT for t in prompt):
-            raise BadRequest("token ids must be in [0, 2^32)", "prompt")
-        return hasher.hash_tokens(prompt), len(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
-    raise BadRequest("'prompt' must be a string or an array of token ids", "prompt")
+    try:
+        tokens = encoder.encode(path, body)
+    except PromptError as exc:
+        raise BadRequest(str(exc), exc.param) from None
+    if tokens.cache_salt is None:
+        return hasher.hash_packed(tokens.packed), tokens.n_tokens
+    # A salted prompt's blocks live in their own key space, as in the engine's cache.
+    root = hasher.namespace_root(None, tokens.cache_salt)
+    return hasher.hash_packed(tokens.packed, root), tokens.n_tokens
 
 
 def _positive_int(body: Mapping[str, Any], key: str) -> int | None:
@@ -102,10 +105,13 @@ def parse_request(
     now: float,
     *,
     settings: Settings,
-    tokenizer: Tokenizer,
+    encoder: PromptEncoder,
     hasher: BlockHasher,
+    models: Mapping[str, ModelRoute] | None = None,
 ) -> ParsedRequest:
-    """``headers`` keys are lower-case."""
+    """``headers`` keys are lower-case. With ``models`` (config ``models``: name or alias ->
+    route) the body's ``model`` picks the encoder and key space, and the request is placed
+    only on that model's instances."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -115,7 +121,11 @@ def parse_request(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
-    blocks, n_tokens = prompt_blocks(path, body, tokenizer, hasher)
+    model = None
+    if models:
+        route = served_route(body, models)
+        encoder, hasher, model = route.encoder, route.hasher, route.name
+    blocks, n_tokens = prompt_blocks(path, body, encoder, hasher)
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     priority = headers.get("x-kvgate-priority")
     if priority is not None:
@@ -135,5 +145,6 @@ def parse_request(
         slo_ttft_s=_header_ms(headers, "x-slo-ttft-ms"),
         slo_tbt_s=_header_ms(headers, "x-slo-tbt-ms"),
         output_key=blocks[0] if blocks else None,
+        model=model,
     )
     return ParsedRequest(info, body, stream)

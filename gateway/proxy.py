@@ -26,6 +26,7 @@ from gateway.relay import (
     ClientWatch,
     Receive,
     Send,
+    cache_report,
     relay_stream,
     send_stream_error,
     usage_tokens,
@@ -115,14 +116,15 @@ class CompletionHandler:
                 request_id,
                 gw.clock(),
                 settings=gw.settings,
-                tokenizer=gw.tokenizer,
+                encoder=gw.prompt_encoder,
                 hasher=gw.hasher,
+                models=gw.model_routes,
             )
         except ConnectionResetError:
             return
         except BadRequest as exc:
             gw.metrics.requests.labels("bad_request").inc()
-            body = error_body(exc.message, "invalid_request_error", param=exc.param)
+            body = error_body(exc.message, "invalid_request_error", param=exc.param, code=exc.code)
             await send_json(send, exc.status, body, [(b"x-request-id", request_id.encode())])
             return
         if not gw.tracing.enabled:  # no span machinery at all, not even no-op spans
@@ -135,19 +137,23 @@ class CompletionHandler:
             span.set_attribute("kvgate.request_id", request_id)
             await self._serve(parsed, scope["path"], raw, receive, send)
 
-    def _decide(self, parsed: ParsedRequest) -> tuple[Decision | Rejection, float]:
+    def _decide(
+        self, parsed: ParsedRequest, exclude: frozenset[str]
+    ) -> tuple[Decision | Rejection, float]:
         gw = self.gw
         if gw.tracing.enabled:
             with gw.tracing.tracer.start_as_current_span("kvgate.decision"):
-                return self._decide_now(parsed)
-        return self._decide_now(parsed)
+                return self._decide_now(parsed, exclude)
+        return self._decide_now(parsed, exclude)
 
-    def _decide_now(self, parsed: ParsedRequest) -> tuple[Decision | Rejection, float]:
-        """The decision (booked if placed) and the seconds it took."""
+    def _decide_now(
+        self, parsed: ParsedRequest, exclude: frozenset[str]
+    ) -> tuple[Decision | Rejection, float]:
+        """The decision (booked if placed) and the seconds it took; not on ``exclude``."""
         gw = self.gw
         t0 = time.perf_counter()
         now = gw.clock()
-        out = gw.conductor.schedule(parsed.info, now)
+        out = gw.conductor.schedule(parsed.info, now, exclude)
         if isinstance(out, Decision):
             gw.conductor.dispatched(out, parsed.info, now)
         return out, time.perf_counter() - t0
@@ -156,7 +162,6 @@ class CompletionHandler:
         """What only reports need; runs while the engine works, off the time to first token."""
         gw = self.gw
         gw.metrics.decision.observe(decision_s)
-        gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
         gw.learner.record(record)
 
     async def _serve(
@@ -165,14 +170,23 @@ class CompletionHandler:
         gw = self.gw
         rid = parsed.info.request_id
         retries = gw.settings.server.max_retries
+        failed_on: frozenset[str] = frozenset()  # a retry goes elsewhere
+        last_error: UpstreamError | None = None
         while True:
-            decision, decision_s = self._decide(parsed)
+            decision, decision_s = self._decide(parsed, failed_on)
+            if isinstance(decision, Rejection) and last_error is not None:
+                # Nowhere else to retry: the client hears what went wrong, not "no capacity".
+                self._upstream_error.inc()
+                await self._send_upstream_error(send, last_error, rid)
+                return
             if isinstance(decision, Rejection):
                 gw.metrics.decision.observe(decision_s)
                 gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
                 self._rejected.inc()
                 await send_json(send, *rejection_response(decision, rid))
                 return
+            if decision.replications:  # a warm-up copy sends this prompt's prefix tokens
+                gw.remember_prompt(path, parsed)
             pulls = gw.execute_replications(decision.replications)
             if pulls:  # the prefill reuses a prefix pulled from its holder: let it land first
                 with contextlib.suppress(TimeoutError):
@@ -198,9 +212,12 @@ class CompletionHandler:
                 break
             except UpstreamError as exc:
                 gw.conductor.failed(rid, gw.clock())
-                gw.leg_failed(exc.instance_id)
+                if exc.status is None or exc.status >= 500:  # a 4xx is the request's fault
+                    gw.leg_failed(exc.instance_id)
                 if exc.status is None and retries > 0:  # nothing reached the client yet
                     retries -= 1
+                    failed_on |= {exc.instance_id}
+                    last_error = exc
                     gw.metrics.retries.inc()
                     continue
                 record.outcome = "failed"
@@ -273,17 +290,23 @@ class CompletionHandler:
                 }
             )
             if parsed.stream:
-                tokens = await relay_stream(
+                tokens, tail = await relay_stream(
                     upstream, record, send, gw.conductor, gw.metrics, gw.clock
                 )
             else:
-                body = await upstream.read()
+                tail = await upstream.read()
                 now = gw.clock()
                 record.observed_ttft_s = gw.conductor.first_token(rid, now)
-                tokens = usage_tokens(body)
-                await send({"type": "http.response.body", "body": body})
+                tokens = usage_tokens(tail)
+                await send({"type": "http.response.body", "body": tail})
             upstream.close()
             now = gw.clock()
+            # The engine's answer corrects the cache view (what it had cached, what it now has).
+            feedback = gw.conductor.cache_feedback(rid, now, *cache_report(tail))
+            if feedback is not None:
+                gw.metrics.cache_feedback(feedback)
+            # Counted once answered: a refused or failed attempt cached nothing.
+            gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
             gw.conductor.finished(rid, now, output_tokens=tokens or None)
             record.outcome = "completed"
             self._completed.inc()

@@ -28,6 +28,11 @@ _TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
 _GAP_FLUSH = 256  # add time-between-chunks samples to the histogram in batches
 _WATCH_AFTER_S = 0.05  # answers shorter than this never start a disconnect watcher task
 _COMPLETION_TOKENS = b'"completion_tokens"'
+# What an engine says it found cached: vLLM / llama.cpp usage, llama.cpp timings.
+_CACHED_TOKENS = b'"cached_tokens"'
+_PROMPT_TOKENS = b'"prompt_tokens"'
+_CACHE_N = b'"cache_n"'
+_PROMPT_N = b'"prompt_n"'
 
 
 async def relay_stream(
@@ -37,14 +42,16 @@ async def relay_stream(
     conductor: Conductor,
     metrics: GatewayMetrics,
     clock: Callable[[], float],
-) -> int:
+) -> tuple[int, bytes]:
     """Relays the SSE answer chunk by chunk as it arrives, keeping the books (first token,
-    streamed tokens, time between chunks); returns the tokens it carried."""
+    streamed tokens, time between chunks); returns the tokens it carried and the answer's
+    last two chunks (where a final usage chunk is, for ``cache_report``)."""
     rid = record.request_id
     next_piece = upstream.piece_reader()
     stamps: list[float] = []  # arrival of each chunk: the TBT histogram's samples
     first = 0.0
     tokens = reported = 0
+    before = last = b""
     try:
         while True:
             try:
@@ -56,6 +63,7 @@ async def relay_stream(
                 break
             now = clock()
             chunk, end = piece
+            before, last = last, chunk
             # The last chunk ends the response in the same write (no separate terminator);
             # the chunk goes out first, the books after.
             await send({"type": "http.response.body", "body": chunk, "more_body": not end})
@@ -79,7 +87,7 @@ async def relay_stream(
         observe_gaps(metrics.tbt, stamps)
     if tokens > 1:
         record.observed_tbt_s = (stamps[-1] - first) / (tokens - 1)
-    return tokens
+    return tokens, before + last
 
 
 class ClientWatch:
@@ -140,22 +148,42 @@ def observe_gaps(hist: Any, stamps: list[float]) -> None:
     total.inc(stamps[-1] - stamps[0])
 
 
-def usage_tokens(body: bytes) -> int:
-    """usage.completion_tokens of a JSON answer, found without parsing the whole answer (it is
-    the last such key: ``usage`` follows ``choices``, and a key inside string content would be
-    escaped)."""
-    i = body.rfind(_COMPLETION_TOKENS)
+def _last_int(body: bytes, key: bytes) -> int | None:
+    """The integer value of the last ``key`` in a JSON answer, found without parsing the whole
+    answer (usage and timings follow ``choices``, and a key inside string content would be
+    escaped); None if absent or not an integer."""
+    i = body.rfind(key)
     if i < 0:
-        return 0
-    j = i + len(_COMPLETION_TOKENS)
+        return None
+    j = i + len(key)
     rest = body[j : j + 32].lstrip()
     if not rest.startswith(b":"):
-        return 0
+        return None
     rest = rest[1:].lstrip()
     n = 0
     while n < len(rest) and 48 <= rest[n] <= 57:
         n += 1
-    return int(rest[:n]) if n else 0
+    return int(rest[:n]) if n else None
+
+
+def usage_tokens(body: bytes) -> int:
+    """usage.completion_tokens of a JSON answer (0 if absent)."""
+    return _last_int(body, _COMPLETION_TOKENS) or 0
+
+
+def cache_report(body: bytes) -> tuple[int | None, int | None]:
+    """(cached prompt tokens, prompt tokens) an engine reported in an answer or a stream's
+    last chunks: ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+    --enable-prompt-tokens-details, llama.cpp) or llama.cpp's ``timings.cache_n`` (the
+    prompt is ``cache_n + prompt_n`` there); None where it reported nothing."""
+    cached = _last_int(body, _CACHED_TOKENS)
+    if cached is not None:
+        return cached, _last_int(body, _PROMPT_TOKENS)
+    cached = _last_int(body, _CACHE_N)
+    if cached is None:
+        return None, None
+    computed = _last_int(body, _PROMPT_N)
+    return cached, None if computed is None else cached + computed
 
 
 async def send_stream_error(send: Send, stream: bool, exc: UpstreamError) -> None:

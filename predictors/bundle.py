@@ -40,22 +40,32 @@ def load_prefill_model(path: str, profile: EngineProfile, overhead_ms: float) ->
 
 
 def build_instance_predictors(
-    settings: PredictorSettings, profile_name: str | None = None
+    settings: PredictorSettings,
+    profile_name: str | None = None,
+    *,
+    measured: EngineProfile | None = None,
 ) -> InstancePredictors:
     """``profile_name`` None = ``settings.profile`` (an instance's own profile overrides it).
 
+    ``measured``: a profile calibrated on the user's engine (``predictors.profile_file``, loaded
+    at the edge); it replaces the default profile and answers to its own name. Its times include
+    the engine overhead, so ``settings.overhead_ms`` is not added to them.
     Reads ``settings.prefill_model_file`` when set: call at startup/reload, not per request."""
-    profile = get_profile(profile_name or settings.profile)
+    if measured is not None and profile_name in (None, measured.name):
+        profile = measured
+    else:
+        profile = get_profile(profile_name or settings.profile)
+    overhead_ms = profile.overhead_ms if profile.includes_overhead else settings.overhead_ms
     prefill: PrefillTimeModel
     if settings.prefill_model_file:
-        prefill = load_prefill_model(settings.prefill_model_file, profile, settings.overhead_ms)
+        prefill = load_prefill_model(settings.prefill_model_file, profile, overhead_ms)
     else:
-        prefill = AnalyticPrefill.from_profile(profile, settings.overhead_ms)
+        prefill = AnalyticPrefill.from_profile(profile, overhead_ms)
     kv = profile.kv_bytes_per_token
     return InstancePredictors(
         profile=profile,
         prefill=prefill,
-        decode=DecodeStepModel.from_profile(profile, settings.overhead_ms),
+        decode=DecodeStepModel.from_profile(profile, overhead_ms),
         link=TransferModel.from_gbps(kv, settings.link_bandwidth_gbps),
         host_load=TransferModel.from_gbps(kv, settings.host_load_gbps),
         store_load=TransferModel.from_gbps(kv, settings.store_load_gbps),

@@ -80,6 +80,9 @@ class EngineProfile:
     max_batched_tokens: int  # vLLM V1 API-server default max_num_batched_tokens (README §6)
     grid_config: str  # config name in the calibration grids, e.g. "Llama-3-8B/H100/TP1"
     source: str
+    # True for a profile measured on a live engine (predictors/calibration.py): its times hold
+    # the per-step overhead already, so predictors.overhead_ms is not added on top.
+    includes_overhead: bool = False
 
 
 # fmt: off

@@ -81,6 +81,8 @@ class LiveStack:
                     capacity_tokens=s.cache_capacity_tokens if role is not Role.DECODE else None,
                     bootstrap_port=emu.bootstrap_port if s.protocol is Protocol.SGLANG else None,
                     kv_events_endpoint=emu.kv_events_endpoint,
+                    # The emulator's publisher binds (as vLLM's does for tcp://*:P): connect.
+                    kv_events_bind=False if emu.kv_events_endpoint else None,
                 )
             )
         base = s.base

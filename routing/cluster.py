@@ -108,6 +108,7 @@ class InstanceState:
     capacity_tokens: int
     max_batch: int
     bit_order: int = 0  # registration order, the deterministic tie-break
+    model: str | None = None  # served model (config ``models``); None = the only one
     healthy: bool = True
     draining: bool = False
     prefill_queue: dict[str, PrefillWork] = field(default_factory=dict)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
 from config.settings import AdmissionMode, DecodePlacement, InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.output_length import OutputLengthPredictor
 from routing.admission import Admission, EffectiveSLO, resolve_slo
+from routing.cache_feedback import CacheFeedback, assess
 from routing.cluster import DecodeWork, InstanceState
 from routing.estimates import PrefillOption, TTFTEstimator
 from routing.hotspot import HotspotPlanner
@@ -41,6 +42,13 @@ _COMMITTED = attrgetter("committed_key")
 
 
 @dataclass(slots=True)
+class _ModelPools:
+    prefill: list[InstanceState] = field(default_factory=list)
+    decode: list[InstanceState] = field(default_factory=list)
+    has_decode_pool: bool = False
+
+
+@dataclass(slots=True)
 class RequestRecord:
     request: RequestInfo
     decision: Decision
@@ -49,6 +57,7 @@ class RequestRecord:
     prefill_done_s: float | None = None
     first_token_s: float | None = None
     tokens: int = 0
+    routed: tuple[int, ...] = ()  # blocks the route added to the prefill instance's view
 
 
 class Conductor:
@@ -69,6 +78,7 @@ class Conductor:
             settings.predictors.default_output_tokens,
         )
         self.requests: dict[str, RequestRecord] = {}
+        self._event_fed: set[str] = set()  # instances whose engine sends KV events
         self.stats = DecisionStats()
         self._order = 0
         self._prefill: list[InstanceState] = []
@@ -91,6 +101,15 @@ class Conductor:
         old = getattr(self, "settings", None)
         self.settings = settings
         self.admission = Admission(settings.admission)
+        # A model's own SLO replaces the global one for its requests (priority classes apply).
+        self._model_slo = {
+            m.name: replace(
+                settings.slo,
+                ttft_s=m.ttft_s if m.ttft_s is not None else settings.slo.ttft_s,
+                tbt_s=m.tbt_s if m.tbt_s is not None else settings.slo.tbt_s,
+            )
+            for m in settings.models
+        }
         if (
             old is None
             or not hasattr(self, "policy")
@@ -110,7 +129,8 @@ class Conductor:
     def add_instance(self, spec: InstanceSettings) -> InstanceState:
         if spec.id in self.instances:
             raise ValueError(f"instance {spec.id!r} already exists")
-        preds = self._predictors_for(spec.profile)
+        model = self.settings.served_model(spec.model) if spec.model else None
+        preds = self._predictors_for(spec.profile or (model.profile if model else None))
         capacity = spec.capacity_tokens or preds.profile.kv_capacity_tokens
         inst = InstanceState(
             id=spec.id,
@@ -119,6 +139,7 @@ class Conductor:
             capacity_tokens=capacity,
             max_batch=spec.max_batch,
             bit_order=self._order,
+            model=spec.model,
         )
         self._order += 1
         self.instances[spec.id] = inst
@@ -149,6 +170,7 @@ class Conductor:
             self._drop(rid, now)
         if inst.does_prefill:
             self.index.remove_instance(instance_id)
+        self._event_fed.discard(instance_id)
         self.planner.forget_instance(instance_id)
         self._refresh_pools(now)
         return affected
@@ -160,16 +182,38 @@ class Conductor:
         self._prefill = [i for i in ordered if i.eligible and i.does_prefill]
         self._decode = [i for i in ordered if i.eligible and i.role is Role.DECODE]
         self._has_decode_pool = any(i.role is Role.DECODE for i in ordered)
+        # Per served model: a request is only ever placed on its own model's instances.
+        self._by_model: dict[str | None, _ModelPools] = {}
+        for inst in ordered:
+            pools = self._by_model.setdefault(inst.model, _ModelPools())
+            pools.has_decode_pool |= inst.role is Role.DECODE
+            if inst.eligible and inst.does_prefill:
+                pools.prefill.append(inst)
+            elif inst.eligible and inst.role is Role.DECODE:
+                pools.decode.append(inst)
         both = [i for i in self._prefill if i.role is Role.BOTH]
         self.policy.on_fleet_change(both, self._last_now)
 
     # ------------------------------------------------------------------ decisions
-    def schedule(self, req: RequestInfo, now: float) -> Decision | Rejection:
+    def schedule(
+        self, req: RequestInfo, now: float, exclude: frozenset[str] = frozenset()
+    ) -> Decision | Rejection:
+        """Place ``req`` (not on the instances in ``exclude``: a retry avoids the one that
+        just failed it), or reject it."""
         self._last_now = max(self._last_now, now)
-        slo = resolve_slo(req, self.settings.slo)
-        if not self._prefill:
+        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
+        prefill_pool, decode_pool = self._prefill, self._decode
+        has_decode_pool = self._has_decode_pool
+        if req.model is not None and self.settings.models:
+            pools = self._by_model.get(req.model) or _ModelPools()
+            prefill_pool, decode_pool = pools.prefill, pools.decode
+            has_decode_pool = pools.has_decode_pool
+        if exclude:
+            prefill_pool = [i for i in prefill_pool if i.id not in exclude]
+            decode_pool = [i for i in decode_pool if i.id not in exclude]
+        if not prefill_pool:
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_PREFILL, slo)
-        if self._has_decode_pool and not self._decode:
+        if has_decode_pool and not decode_pool:
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_DECODE, slo)
         match = self.index.match(req.block_hashes, now)
         predicted_output = self.output_lengths.predict(req.output_key, req.max_tokens)
@@ -190,8 +234,8 @@ class Conductor:
             req,
             now,
             match,
-            self._prefill,
-            self._decode,
+            prefill_pool,
+            decode_pool,
             estimator,
             self.rng,
             predicted_output,
@@ -243,7 +287,8 @@ class Conductor:
         """Pick the decode instance; returns (instance, TBT now, TBT to check, retry hint)."""
         req = ctx.request
         need = req.prompt_tokens + ctx.predicted_output
-        if not self._decode:  # colocated: decode where the prefill ran
+        decode_pool = ctx.decode_candidates
+        if not decode_pool:  # colocated: decode where the prefill ran
             tbt = prefill.tbt_now(1, req.prompt_tokens)
             return prefill, tbt, tbt, self._retry_hint(prefill, ctx.now)
         chosen = self.policy.select_decode(ctx)
@@ -253,7 +298,7 @@ class Conductor:
             p = req.prompt_tokens
             fits = [
                 d
-                for d in self._decode
+                for d in decode_pool
                 if d.reserved_tokens + need <= d.capacity_tokens and d.batch < d.max_batch
             ]
             if self.settings.routing.decode_placement is DecodePlacement.COMMITTED:
@@ -267,7 +312,7 @@ class Conductor:
             if not ranked:
                 if self.admission.mode is not AdmissionMode.NONE:
                     return None, 0.0, 0.0, 0.0
-                ranked = [(d.tbt_now(1, req.prompt_tokens), 0, d) for d in self._decode[:1]]
+                ranked = [(d.tbt_now(1, req.prompt_tokens), 0, d) for d in decode_pool[:1]]
         d = ranked[0][2]
         tbt = d.tbt_now(1, req.prompt_tokens)
         if self.admission.mode is not AdmissionMode.PREDICTIVE:
@@ -302,7 +347,7 @@ class Conductor:
             if cmd is not None:
                 cmds.append(cmd)
         cmd = planner.proactive(
-            req, ctx.match, self._prefill, self.instances, rate, option.instance.id, now
+            req, ctx.match, ctx.prefill_candidates, self.instances, rate, option.instance.id, now
         )
         if cmd is not None:
             cmds.append(cmd)
@@ -365,7 +410,7 @@ class Conductor:
         decode.add_incoming(
             DecodeWork(req.request_id, req.prompt_tokens, decision.predicted_output_tokens, arrival)
         )
-        self.index.record_route(prefill.id, req.block_hashes, now)
+        record.routed = self.index.record_route(prefill.id, req.block_hashes, now)
         self.requests[req.request_id] = record
 
     def prefill_done(self, request_id: str, now: float) -> None:
@@ -408,7 +453,53 @@ class Conductor:
                 self.output_lengths.observe(rec.request.output_key, out)
 
     def failed(self, request_id: str, now: float) -> None:
-        self._drop(request_id, now)
+        rec = self._drop(request_id, now)
+        if rec is not None and rec.prefill_done_s is None and rec.routed:
+            # Refused or lost before its prefill finished: the engine never cached the prompt.
+            self.index.forget_route(rec.decision.prefill, rec.routed)
+
+    def cache_feedback(
+        self,
+        request_id: str,
+        now: float,
+        engine_cached_tokens: int | None = None,
+        engine_prompt_tokens: int | None = None,
+    ) -> CacheFeedback | None:
+        """The engine answered (call before ``finished``): its prefill instance now caches the
+        prompt's full blocks. With the engine's report of the cached prompt tokens (and its
+        prompt length, to scale its tokens to kvgate's), blocks the view believed cached but
+        the engine had evicted also evict what was used less recently (``KVIndex.settle``);
+        not on instances that send KV events (those report evictions themselves), nor for a
+        P/D pair (the answer's report is the decode engine's)."""
+        rec = self.requests.get(request_id)
+        if rec is None:
+            return None
+        d, req = rec.decision, rec.request
+        own_report = d.prefill == d.decode and d.pull_source is None
+        fb = assess(
+            d.prefill,
+            req.prompt_tokens,
+            d.cached_tokens,
+            engine_cached_tokens if own_report else None,
+            engine_prompt_tokens,
+            self.block_size,
+        )
+        if d.prefill in self._event_fed:
+            self.index.settle(d.prefill, req.block_hashes, 0, now)
+        else:
+            fb.dropped_blocks = self.index.settle(
+                d.prefill, req.block_hashes, fb.missed_blocks, now, fb.extra_blocks
+            )
+        return fb
+
+    def set_capacity(self, instance_id: str, capacity_tokens: int) -> None:
+        """The engine reported its KV capacity (tokens): it replaces the profile's."""
+        inst = self.instances.get(instance_id)
+        if inst is None or capacity_tokens <= 0 or inst.capacity_tokens == capacity_tokens:
+            return
+        inst.capacity_tokens = capacity_tokens
+        if instance_id in self.index:
+            self.index.set_capacity(instance_id, max(capacity_tokens // self.block_size, 1))
 
     def _drop(self, request_id: str, now: float) -> RequestRecord | None:
         rec = self.requests.pop(request_id, None)
@@ -424,6 +515,7 @@ class Conductor:
         return rec
 
     def kv_event(self, instance_id: str, event: KVEvent, now: float) -> None:
+        self._event_fed.add(instance_id)
         self.index.apply(instance_id, event, now)
 
     def store_event(self, event: KVEvent) -> None:

@@ -21,7 +21,9 @@ its tail is evicted (or demoted) and its prefix, the reusable part, survives.
 Predict-on-route: ``record_route`` adds the blocks an instance is about to compute before any
 engine event says so. With a TTL these entries are *predicted* until a ``BlockStored`` confirms
 them and vanish (from every tier of that instance) at expiry; re-routing does not extend them,
-so an unconfirmed belief cannot keep itself alive by attracting more traffic.
+so an unconfirmed belief cannot keep itself alive by attracting more traffic. Engines without
+KV events confirm through their answers (``settle``: what the engine reported cached, and
+the prompt it just computed); a route the engine refused is taken back (``forget_route``).
 """
 
 from __future__ import annotations
@@ -58,10 +60,13 @@ class _Instance:
     gpu: OrderedDict[int, None] = field(default_factory=OrderedDict)  # LRU first
     host: OrderedDict[int, None] = field(default_factory=OrderedDict)
     pred: dict[int, float] = field(default_factory=dict)  # unconfirmed block -> expiry
+    # The stated GPU capacity; ``gpu_cap`` is what the engine's answers show it really keeps.
+    max_gpu_cap: int = field(init=False)
     gpu_bit: int = field(init=False)
     local_bit: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.max_gpu_cap = self.gpu_cap
         self.gpu_bit = 1 << (2 * self.slot)
         self.local_bit = 1 << (2 * self.slot + 1)
 
@@ -252,24 +257,106 @@ class KVIndex:
 
     # --- updates ---------------------------------------------------------------------------
 
-    def record_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
+    def record_route(
+        self, instance_id: str, block_hashes: Sequence[int], now: float
+    ) -> tuple[int, ...]:
         """The gateway sent this prompt to the instance: predict that it will cache the blocks.
 
-        A no-op for an instance that is not (or no longer) registered.
+        Returns the blocks the instance did not hold before (what ``forget_route`` takes back
+        if the engine never computes the prompt). A no-op for an unregistered instance.
         """
         if self._heap and self._heap[0][0] <= now:
             self.expire(now)
         inst = self._instances.get(instance_id)
         if inst is None or not block_hashes:
-            return
+            return ()
         ttl = self.predicted_ttl_s
-        new = self._add_gpu(inst, block_hashes, predicted=ttl is not None)
+        new = self._add_gpu(inst, block_hashes, predicted=True)
         if new and ttl is not None:
             expiry = now + ttl
             pred = inst.pred
             for h in new:
                 pred[h] = expiry
             heapq.heappush(self._heap, (expiry, next(self._seq), inst, tuple(new)))
+        self._evict(inst)
+        return tuple(new)
+
+    def forget_route(self, instance_id: str, added: Sequence[int]) -> int:
+        """The engine refused or lost a routed prompt before computing it: drop the blocks its
+        route added (``record_route``'s result) that no engine event confirmed since (without
+        a TTL nothing is marked unconfirmed: all of them). Returns how many were dropped."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return 0
+        pred, gpu, host = inst.pred, inst.gpu, inst.host
+        unconfirmed_only = self.predicted_ttl_s is not None
+        dropped = 0
+        for h in added:
+            if unconfirmed_only and h not in pred:
+                continue
+            if h in gpu:
+                self._drop(inst, h, Tier.GPU)
+            if h in host:
+                self._drop(inst, h, Tier.HOST)
+            pred.pop(h, None)
+            dropped += 1
+        return dropped
+
+    def settle(
+        self,
+        instance_id: str,
+        block_hashes: Sequence[int],
+        missed_blocks: int,
+        now: float,
+        extra_blocks: int = 0,
+    ) -> int:
+        """The engine answered a prompt: it now caches the prompt's full blocks (confirmed,
+        most recently used). ``missed_blocks``: how many blocks this index believed the
+        instance held for the prompt but the engine reported not cached. The engine evicted
+        them, and with LRU eviction everything used less recently went first, so that many of
+        the instance's least recently used blocks are dropped too, and the instance's capacity
+        is taken to be what is left: an engine keeps less than its stated capacity when it
+        caches whole prompts per slot (llama.cpp). ``extra_blocks``: the engine had that many
+        more than this index believed, so the capacity grows back (up to the stated one).
+        Returns how many blocks were dropped."""
+        inst = self._instances.get(instance_id)
+        if inst is None or not block_hashes:
+            return 0
+        if self._heap and self._heap[0][0] <= now:
+            self.expire(now)
+        # _add_gpu and the confirmation in one pass (this runs for every answered request).
+        table, gpu, host, pred_pop = self._table, inst.gpu, inst.host, inst.pred.pop
+        both = inst.gpu_bit | inst.local_bit
+        for h in reversed(block_hashes):
+            if h in gpu:
+                gpu.move_to_end(h)
+            else:
+                gpu[h] = None
+                table[h] = table.get(h, 0) | both
+                if h in host:
+                    host.move_to_end(h)
+            pred_pop(h, None)
+        if missed_blocks <= 0:
+            if extra_blocks > 0:
+                inst.gpu_cap = min(inst.gpu_cap + extra_blocks, inst.max_gpu_cap)
+            self._evict(inst)
+            return 0
+        self._evict(inst)
+        # The prompt's blocks are the most recent now: the oldest ones before them go.
+        mine = set(block_hashes)
+        older = itertools.takewhile(lambda h: h not in mine, inst.gpu)
+        victims = list(itertools.islice(older, missed_blocks))
+        for h in victims:
+            self._drop(inst, h, Tier.GPU)
+        inst.gpu_cap = min(max(len(inst.gpu), len(mine)), inst.max_gpu_cap)
+        return len(victims)
+
+    def set_capacity(self, instance_id: str, gpu_capacity_blocks: int) -> None:
+        """The engine stated its KV capacity: bound the instance's GPU tier by it."""
+        if gpu_capacity_blocks < 0:
+            raise ValueError("capacities must be >= 0")
+        inst = self._instances[instance_id]  # KeyError for an unknown id
+        inst.gpu_cap = inst.max_gpu_cap = gpu_capacity_blocks
         self._evict(inst)
 
     def touch(self, instance_id: str, block_hashes: Sequence[int]) -> None:
@@ -353,7 +440,8 @@ class KVIndex:
     # --- internals -------------------------------------------------------------------------
 
     def _add_gpu(self, inst: _Instance, blocks: Sequence[int], predicted: bool) -> list[int]:
-        """Add or touch blocks on GPU, last-to-first; returns those the instance did not hold."""
+        """Add or touch blocks on GPU, last-to-first; with ``predicted``, returns those the
+        instance did not hold (on any tier)."""
         table, gpu, host = self._table, inst.gpu, inst.host
         both = inst.gpu_bit | inst.local_bit
         new: list[int] = []

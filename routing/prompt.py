@@ -1,8 +1,9 @@
 """The text a chat request's KV prefix is made of, shared by the gateway and the emulator.
 
-Engines apply their own chat template; all the gateway needs is a rendering in which a longer
-conversation's text starts with a shorter one's (a shared system prompt gives a shared token
-prefix), and the emulator must render it the same way so cache views agree.
+This is the approximate rendering (no ``routing.model_dir``): a text in which a longer
+conversation starts with a shorter one's (a shared system prompt gives a shared token prefix),
+rendered the same way by the emulator so cache views agree. With a model directory the engine's
+own chat template is used instead (routing/prompt_encoder.py).
 """
 
 from __future__ import annotations

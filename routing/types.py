@@ -32,6 +32,8 @@ class RequestInfo:
     slo_tbt_s: float | None = None
     # Key for the output-length predictor (e.g. hash of the shared system-prompt prefix).
     output_key: int | None = None
+    # Served model (config ``models``): placed only on that model's instances. None = any.
+    model: str | None = None
 
 
 # --- KV events (mirror vLLM's kv_events: BlockStored / BlockRemoved / AllBlocksCleared) ---

@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="served model name (default: profile)")
     parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="HF model directory: tokenize prompts with its tokenizer and chat template "
+        "(as the gateway's routing.model_dir); default: the approximate tokenizer",
+    )
+    parser.add_argument(
         "--bootstrap-port",
         type=int,
         default=None,
@@ -77,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         link_gbps=args.link_gbps,
         decode_tbt_limit_ms=args.decode_tbt_limit_ms,
         model=args.model,
+        model_dir=args.model_dir,
         bootstrap_port=args.bootstrap_port,
     )
 
@@ -113,6 +120,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.validate()
+        if config.model_dir:  # fail here, naming the file, not inside the event loop
+            from backends.model_files import load_prompt_encoder
+
+            load_prompt_encoder(config.model_dir)
     except (ValueError, KeyError) as exc:
         print(f"kvgate emulate: {exc}", file=sys.stderr)
         return 2

@@ -44,6 +44,8 @@ class EmulatorConfig:
     default_max_tokens: int = 16  # OpenAI completions default
     max_inflight: int = 4096  # requests held at once; more -> 503
     chars_per_token: float = 4.0  # ApproxTokenizer, same default as RoutingSettings
+    # HF model directory: tokenize and render chat as the gateway with routing.model_dir does.
+    model_dir: str | None = None
     hash_seed: int = 0  # BlockHasher seed, same default as RoutingSettings
 
     def __post_init__(self) -> None:

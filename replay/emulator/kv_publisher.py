@@ -5,8 +5,11 @@ big-endian, +1 per message), msgpack payload]``, payload ``[ts, events, 0]`` (th
 is always an array; 0 = data-parallel rank). Events come in vLLM's two encodings: arrays with
 the tag first (before PR #42892) or maps with a ``type`` key (after it).
 
-A small encoder of its own (not backends.kv_events) keeps the emulator independent of the
-gateway side it is used to test.
+Like vLLM, the events name blocks by vLLM's own hashes (vllm_hashing.py) and carry the
+token ids, never kvgate's keys, which the emulator's engine model uses inside: a gateway must
+rebuild its keys from the tokens, as it must in front of a real vLLM. A small encoder of its
+own (not backends.engine_events) keeps the emulator independent of the gateway side it is used
+to test.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgpack
 import zmq
 
 from replay.emulator.config import KVEventsFormat
+from replay.emulator.vllm_hashing import VllmBlockHashes, external_hash, stand_in_digest
 from routing.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 
 log = logging.getLogger(__name__)
@@ -30,11 +34,32 @@ _MEDIUM = {Tier.GPU: "GPU", Tier.HOST: "CPU", Tier.STORE: "DISK"}
 
 @dataclass(frozen=True, slots=True)
 class StoredRun:
-    """Consecutive stored blocks of one prompt: what one vLLM BlockStored event describes."""
+    """Consecutive stored blocks of one prompt, in the emulator's own block keys: what one
+    vLLM BlockStored event describes."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
+    medium: str = "GPU"
+    # The whole prompt and the run's first block in it: rebuilds the parent's vLLM hash
+    # when it is not known any more.
+    prompt_tokens: Sequence[int] | None = field(default=None, compare=False, repr=False)
+    start_block: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmStored:
+    """A BlockStored as vLLM sends it: vLLM's hashes (u64), parent, tokens."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    medium: str = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class VllmRemoved:
+    block_hashes: tuple[int, ...]  # vLLM's hashes (u64)
     medium: str = "GPU"
 
 
@@ -82,13 +107,38 @@ def stored_runs(
             if prompt.token_ids is not None:
                 tokens = tuple(prompt.token_ids[pos * block_size : (pos + j - i) * block_size])
             parent = chain[pos - 1] if pos > 0 else None
-            runs.append(StoredRun(hashes[i:j], parent, tokens, medium))
+            runs.append(StoredRun(hashes[i:j], parent, tokens, medium, prompt.token_ids, pos))
         i = j
     return runs
 
 
-def encode_event(item: StoredRun | KVEvent, fmt: KVEventsFormat, block_size: int) -> Any:
-    if isinstance(item, StoredRun):
+def to_vllm(run: StoredRun, hashes: VllmBlockHashes) -> VllmStored:
+    """Name a run's blocks (and its parent) by vLLM's hashes, remembering them in ``hashes``."""
+    if run.token_ids:
+        parent, digests = hashes.chain(
+            run.block_hashes,
+            run.token_ids,
+            run.parent_block_hash,
+            run.prompt_tokens,
+            run.start_block,
+        )
+    else:  # a copy fetched without its tokens: vLLM has no such event; a token-less stand-in
+        key = run.parent_block_hash
+        parent = None if key is None else (hashes.get(key) or stand_in_digest(key))
+        digests = [hashes.stand_in(k) for k in run.block_hashes]
+    return VllmStored(
+        tuple(external_hash(d) for d in digests),
+        None if parent is None else external_hash(parent),
+        run.token_ids,
+        run.medium,
+    )
+
+
+def encode_event(
+    item: VllmStored | VllmRemoved | AllBlocksCleared, fmt: KVEventsFormat, block_size: int
+) -> Any:
+    """One event in vLLM's array (before PR #42892) or map encoding (0.32's field set)."""
+    if isinstance(item, VllmStored):
         hashes, tokens = list(item.block_hashes), list(item.token_ids)
         if fmt == "array":  # lora_id None: the emulator serves no adapters
             return [
@@ -108,15 +158,23 @@ def encode_event(item: StoredRun | KVEvent, fmt: KVEventsFormat, block_size: int
             "block_size": block_size,
             "lora_id": None,
             "medium": item.medium,
+            "lora_name": None,
+            "extra_keys": [None] * len(hashes),
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
         }
-    if isinstance(item, BlockRemoved):
-        medium = _MEDIUM.get(item.tier, "GPU")
+    if isinstance(item, VllmRemoved):
         if fmt == "array":
-            return ["BlockRemoved", list(item.block_hashes), medium]
-        return {"type": "BlockRemoved", "block_hashes": list(item.block_hashes), "medium": medium}
+            return ["BlockRemoved", list(item.block_hashes), item.medium]
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(item.block_hashes),
+            "medium": item.medium,
+            "group_idx": 0,
+        }
     if isinstance(item, AllBlocksCleared):
         return ["AllBlocksCleared"] if fmt == "array" else {"type": "AllBlocksCleared"}
-    raise TypeError(f"cannot encode {item!r}")  # a bare BlockStored is split by stored_runs
+    raise TypeError(f"cannot encode {item!r}")  # emulator-keyed events go through to_vllm
 
 
 def encode_payload(events: Sequence[Any], ts: float) -> bytes:
@@ -135,6 +193,7 @@ class KVEventPublisher:
         self.block_size = block_size
         self.topic = topic.encode()
         self.seq = 0
+        self.hashes = VllmBlockHashes(block_size)
         # Its own context (not zmq.Context.instance()): no process-wide state, clean close.
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
@@ -153,12 +212,18 @@ class KVEventPublisher:
 
     def publish(self, events: Sequence[KVEvent], prompts: Sequence[PromptBlocks] = ()) -> None:
         encoded: list[Any] = []
+        size = self.block_size
         for ev in events:
             if isinstance(ev, BlockStored):
-                runs = stored_runs(ev, prompts, self.block_size)
-                encoded.extend(encode_event(r, self.fmt, self.block_size) for r in runs)
+                runs = stored_runs(ev, prompts, size)
+                encoded.extend(encode_event(to_vllm(r, self.hashes), self.fmt, size) for r in runs)
+            elif isinstance(ev, BlockRemoved):
+                gone = tuple(external_hash(self.hashes.forget(h)) for h in ev.block_hashes)
+                medium = _MEDIUM.get(ev.tier, "GPU")
+                encoded.append(encode_event(VllmRemoved(gone, medium), self.fmt, size))
             else:
-                encoded.append(encode_event(ev, self.fmt, self.block_size))
+                self.hashes.clear()
+                encoded.append(encode_event(ev, self.fmt, size))
         if not encoded:
             return
         payload = encode_payload(encoded, time.time())

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from routing.prompt import PromptError, chat_prompt_text
-from routing.tokenizer import Tokenizer
+from routing.prompt import PromptError
+from routing.prompt_encoder import CHAT_PATH, PromptEncoder
+from routing.tokenizer import unpack_token_ids
 
 _MAX_TOKEN_ID = 1 << 32  # BlockHasher packs ids as uint32
 
@@ -64,10 +65,10 @@ class ParsedRequest:
     bootstrap: Bootstrap | None
 
 
-def prompt_text(messages: list[Any]) -> str:
-    """A chat's prompt text, rendered exactly as the gateway renders it."""
+def _encoded(encoder: PromptEncoder, path: str, body: dict[str, Any]) -> list[int]:
+    """The prompt's tokens exactly as the gateway computes them (same encoder, same model)."""
     try:
-        return chat_prompt_text(messages)
+        return unpack_token_ids(encoder.encode(path, body).packed)
     except PromptError as exc:
         raise RequestError(400, str(exc), exc.param) from None
 
@@ -79,17 +80,17 @@ def _token_list(value: list[Any], param: str) -> list[int]:
     return value
 
 
-def _prompt_tokens(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int]:
+def _prompt_tokens(body: dict[str, Any], chat: bool, encoder: PromptEncoder) -> list[int]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "messages must be a non-empty list", "messages")
-        return tokenizer.encode(prompt_text(messages))
+        return _encoded(encoder, CHAT_PATH, body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return _encoded(encoder, "/v1/completions", body) if prompt else []
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return _token_list(prompt, "prompt")
     if isinstance(prompt, list):
@@ -127,11 +128,11 @@ def _bootstrap(body: dict[str, Any]) -> Bootstrap | None:
 
 
 def parse_request(
-    body: Any, *, chat: bool, tokenizer: Tokenizer, default_max_tokens: int
+    body: Any, *, chat: bool, encoder: PromptEncoder, default_max_tokens: int
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
-    tokens = _prompt_tokens(body, chat, tokenizer)
+    tokens = _prompt_tokens(body, chat, encoder)
     if not tokens:
         raise RequestError(400, "the prompt is empty", "messages" if chat else "prompt")
     n = body.get("n", 1)

@@ -174,17 +174,48 @@ async def kv_fetch(request: web.Request) -> web.Response:
     await st.transfers.transfer(source, st.config.engine_id, tokens)
     blocks = tuple(hashes)
     if st.engine.cache is not None and blocks:
+        # The copy's token ids travel with it (for this instance's KV events, as vLLM's).
+        token_ids = await _source_tokens(st, source, blocks) if st.publisher else None
         st.engine.cache.insert(blocks)
-        st.runtime.publish_cache_events([_Fetched(blocks)])
+        st.runtime.publish_cache_events([_Fetched(blocks, token_ids)])
     return web.json_response({"ok": True, "blocks": len(blocks)})
+
+
+async def _source_tokens(
+    st: EmulatorState, source: str, blocks: tuple[int, ...]
+) -> list[int] | None:
+    """The source instance's token ids of ``blocks``; None when it does not know them all."""
+    if st.session is None:
+        return None
+    url = source.rstrip("/") + "/internal/kv/tokens"
+    try:
+        async with st.session.post(url, json={"block_hashes": list(blocks)}) as r:
+            body = await r.json() if r.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    token_ids = body.get("token_ids")
+    return token_ids if isinstance(token_ids, list) else None
+
+
+async def kv_tokens(request: web.Request) -> web.Response:
+    """The token ids of cached blocks, for an instance copying them (null if any is unknown)."""
+    st = _state(request)
+    try:
+        hashes = (await _json_object(request)).get("block_hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
+            raise RequestError(400, "block_hashes must be a list of integers", "block_hashes")
+    except RequestError as exc:
+        return error_response(exc, {})
+    known = st.publisher.hashes.tokens_of(hashes) if st.publisher is not None else None
+    return web.json_response({"token_ids": known})
 
 
 @dataclass(frozen=True, slots=True)
 class _Fetched:
-    """A fetched prefix as the KV event encoder sees prompts: hashes known, tokens not."""
+    """A fetched prefix as the KV event encoder sees prompts (tokens None when unknown)."""
 
     block_hashes: tuple[int, ...]
-    token_ids: None = None
+    token_ids: list[int] | None = None
 
 
 def build_app(state: EmulatorState) -> web.Application:
@@ -198,6 +229,7 @@ def build_app(state: EmulatorState) -> web.Application:
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/internal/kv/pull", kv_pull)
     app.router.add_post("/internal/kv/fetch", kv_fetch)
+    app.router.add_post("/internal/kv/tokens", kv_tokens)
     app.router.add_get("/internal/state", internal_state)
     app.router.add_get("/bootstrap/room/{room}", bootstrap_room)
     return app

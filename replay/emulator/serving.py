@@ -258,7 +258,7 @@ async def serve(request: web.Request, chat: bool) -> web.StreamResponse:
         req = parse_request(
             body,
             chat=chat,
-            tokenizer=state.tokenizer,
+            encoder=state.prompt_encoder,
             default_max_tokens=state.config.default_max_tokens,
         )
     except RequestError as exc:

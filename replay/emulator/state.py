@@ -17,6 +17,7 @@ from replay.engine.network import Network
 from replay.engine.prefix_cache import PrefixCache
 from replay.engine.timing import StepTiming
 from routing.hashing import BlockHasher
+from routing.prompt_encoder import ApproxPromptEncoder, PromptEncoder
 from routing.tokenizer import ApproxTokenizer
 from routing.types import AllBlocksCleared
 
@@ -27,7 +28,7 @@ class EmulatorState:
     engine: Engine
     runtime: EngineRuntime
     metrics: EmulatorMetrics
-    tokenizer: ApproxTokenizer
+    prompt_encoder: PromptEncoder  # the gateway's, for the same model directory
     hasher: BlockHasher
     pinned: PinnedStore
     rooms: BootstrapRooms
@@ -70,6 +71,14 @@ class EmulatorState:
             self.publisher.publish([AllBlocksCleared()])
 
 
+def _prompt_encoder(config: EmulatorConfig) -> PromptEncoder:
+    if config.model_dir:
+        from backends.model_files import load_prompt_encoder
+
+        return load_prompt_encoder(config.model_dir)
+    return ApproxPromptEncoder(ApproxTokenizer(config.chars_per_token))
+
+
 def build_state(config: EmulatorConfig) -> EmulatorState:
     """The instance's model and books; nothing is bound or started yet."""
     config.validate()
@@ -108,7 +117,7 @@ def build_state(config: EmulatorConfig) -> EmulatorState:
             block_size=config.block_size,
             num_gpu_blocks=profile.kv_capacity_tokens // config.block_size,
         ),
-        tokenizer=ApproxTokenizer(config.chars_per_token),
+        prompt_encoder=_prompt_encoder(config),
         hasher=BlockHasher(config.block_size, config.hash_seed),
         pinned=PinnedStore(config.pin_timeout_s),
         rooms=BootstrapRooms(config.pin_timeout_s),

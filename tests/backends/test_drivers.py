@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -17,7 +19,10 @@ from backends.drivers import (
     Target,
     UpstreamError,
     VLLMDriver,
+    driver_for,
 )
+from config.settings import KVConnector
+from config.settings import Protocol as WireProtocol
 
 KV_PARAMS = {
     "do_remote_prefill": True,
@@ -40,6 +45,8 @@ class StubEngine:
         self.seen: list[tuple[str, Any, dict[str, Any]]] = []
         self.decode_arrived = asyncio.Event()
         self.fail_with: int | None = None
+        self.params: dict[str, Any] | None = KV_PARAMS  # what a prefill answers with
+        self.delay_s = 0.0  # before answering
         self.server: TestServer | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -47,10 +54,14 @@ class StubEngine:
         self.seen.append((request.path, request.headers.copy(), body))
         if self.fail_with:
             return web.json_response({"error": {"message": "boom"}}, status=self.fail_with)
+        await asyncio.sleep(self.delay_s)
         if self.role == "prefill":
             if "bootstrap_room" in body:  # SGLang: the prefill waits for its decode partner
                 await asyncio.wait_for(self.partner.decode_arrived.wait(), 5)
-            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": KV_PARAMS})
+            answer: dict[str, Any] = {"choices": [{"text": "x"}]}
+            if self.params is not None:
+                answer["kv_transfer_params"] = self.params
+            return web.json_response(answer)
         self.decode_arrived.set()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -218,3 +229,123 @@ def test_piece_reader_marks_the_last_piece_on_the_aiohttp_path() -> None:
     pieces = asyncio.run(run())
     assert b"".join(c for c, _ in pieces) == SSE
     assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
+
+
+def test_nixl_prefill_without_params_fails_clearly_and_sends_no_decode() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        p.params = None  # a prefill engine without a NixlConnector answers plainly
+        async with aiohttp.ClientSession() as s:
+            try:
+                await VLLMDriver().open(s, _plan(pt, dt, ORIGINAL))
+            except UpstreamError as exc:
+                error = exc
+        await p.server.close()
+        await d.server.close()
+        return error, d.seen
+
+    error, decode_seen = asyncio.run(run())
+    assert error.status == 502 and error.instance_id == "p0"
+    assert "kv_transfer_params" in str(error) and "NixlConnector" in str(error)
+    assert decode_seen == []
+
+
+def test_shared_storage_prefills_one_token_then_sends_the_original_request() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        p.params = None  # ExampleConnector answers without parameters
+        pt = Target("p0", pt.url, kv_connector=KVConnector.SHARED_STORAGE)
+        raw = json.dumps(ORIGINAL).encode() + b" "  # forwarded byte for byte
+        done = []
+        async with aiohttp.ClientSession() as s:
+            plan = _plan(pt, dt, ORIGINAL)
+            plan.raw_body = raw
+            plan.on_prefill_done = lambda: done.append(True)
+            up = await VLLMDriver().open(s, plan)
+            body = await up.read()
+            up.close()
+        await p.server.close()
+        await d.server.close()
+        return p.seen, d.seen, body, done
+
+    pseen, dseen, body, done = asyncio.run(run())
+    ((_, _, pbody),) = pseen
+    assert pbody == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False}
+    ((_, dheaders, dbody),) = dseen
+    assert dbody == ORIGINAL and "kv_transfer_params" not in dbody
+    assert dheaders["X-Request-Id"] == "rid-1"
+    assert body == SSE and done == [True]
+
+
+def test_nixl_decode_leg_is_delivered_even_when_cancelled_after_the_prefill() -> None:
+    """The prefill engine holds the prompt's blocks for the decode leg: a request cancelled
+    once the prefill answered must still reach the decode engine (which then frees them)."""
+
+    async def run():
+        p, d, pt, dt = await _pair()
+        d.delay_s = 0.3  # the decode leg is still being posted when the request is cancelled
+        driver = VLLMDriver()
+        async with aiohttp.ClientSession() as s:
+            plan = _plan(pt, dt, ORIGINAL)
+            opened = asyncio.ensure_future(driver.open(s, plan))
+            plan.on_prefill_done = lambda: asyncio.get_running_loop().call_soon(opened.cancel)
+            try:
+                await opened
+            except asyncio.CancelledError:
+                cancelled = True
+            assert driver.pending  # the decode leg is being finished in the background
+            await asyncio.gather(*driver.pending)
+        await p.server.close()
+        await d.server.close()
+        return cancelled, d.seen, driver.pending
+
+    cancelled, dseen, pending = asyncio.run(run())
+    assert cancelled
+    ((_, _, dbody),) = dseen
+    assert dbody["kv_transfer_params"] == KV_PARAMS
+    assert not pending
+
+
+def test_nixl_cancelled_during_the_prefill_never_sends_the_decode_leg() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        p.delay_s = 0.3
+        driver = VLLMDriver()
+        async with aiohttp.ClientSession() as s:
+            opened = asyncio.ensure_future(driver.open(s, _plan(pt, dt, ORIGINAL)))
+            await asyncio.sleep(0.1)
+            opened.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await opened
+        await p.server.close()
+        await d.server.close()
+        return len(p.seen), d.seen, driver.pending
+
+    prefills, dseen, pending = asyncio.run(run())
+    assert prefills == 1 and dseen == [] and not pending
+
+
+def test_driver_for_picks_by_protocol_and_topology() -> None:
+    assert isinstance(driver_for(WireProtocol.VLLM, False), ColocatedDriver)
+    assert isinstance(driver_for(WireProtocol.VLLM, True), VLLMDriver)
+    assert isinstance(driver_for(WireProtocol.SGLANG, True), SGLangDriver)
+
+
+def test_nixl_decode_unreachable_is_a_transport_error_that_names_the_held_blocks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        await d.server.close()  # the decode engine is gone
+        async with aiohttp.ClientSession() as s:
+            try:
+                await VLLMDriver().open(s, _plan(pt, dt, ORIGINAL))
+            except UpstreamError as exc:
+                error = exc
+        await p.server.close()
+        return error
+
+    with caplog.at_level("WARNING", logger="backends.vllm_pd"):
+        error = asyncio.run(run())
+    assert error.status is None and error.instance_id == "d0"
+    assert "KV lease" in caplog.text and "p0" in caplog.text

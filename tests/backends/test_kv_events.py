@@ -1,11 +1,11 @@
-"""KV event decoding (both vLLM encodings), encoding round trips, and the ZMQ subscriber
-against a real PUB (and replay ROUTER) on 127.0.0.1."""
+"""The ZMQ KV event subscriber against real sockets on 127.0.0.1 / ipc: which side binds (vLLM's
+rule), sequence gaps, the replay ROUTER (both reply shapes), resyncs, restarts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,225 +14,23 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-from hypothesis import given
-from hypothesis import strategies as st
 
-from backends.kv_events import (
-    KVEventBatch,
-    KVEventDecodeError,
-    KVEventSubscriber,
-    decode_batch,
-    encode_batch,
-)
-from routing.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from backends.engine_events import EngineBlockStored, EngineEvent, encode_batch
+from backends.kv_events import KVEventSubscriber, SubscriberEndpoint, resolve_endpoint
+from routing.types import AllBlocksCleared
 
-DATA = Path(__file__).parent / "data"
-MASK = (1 << 64) - 1
 T = TypeVar("T")
+# This test file's own loopback ports and socket directory (tests run side by side).
+PORT_BASE = 18240
+SOCK_DIR = Path(os.environ.get("KVGATE_TEST_TMP", "/tmp")) / f"kvgate-kv-events-{os.getpid()}"
 
 
 def arun(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(asyncio.wait_for(coro, timeout=15))
 
 
-def _u64(digest: bytes) -> int:
-    return int.from_bytes(digest, "big") & MASK
-
-
-# --- captured-style fixtures (tests/backends/data/vllm_kv_events_*.msgpack) ----------------
-#
-# vllm_kv_events_array.msgpack -- vLLM <= 0.2x, events as arrays, tag first:
-# [1750000000.125, [
-#   ["BlockStored", [1001, 1002], null, [0, ..., 31], 16, null, "GPU"],
-#   ["BlockStored", [1003], 1002, [32, ..., 47], 16, null, "CPU",
-#                   null, [null], 0, "full_attention", null],   <- lora_name, extra_keys,
-#                                                                  group_idx, spec kind/window
-#   ["BlockRemoved", [1001], "GPU"],
-#   ["BlockRemoved", [1003], "CPU", 0],                          <- group_idx
-#   ["AllBlocksCleared"]
-# ], 0]
-#
-# vllm_kv_events_map.msgpack -- after vLLM PR #42892, events as maps, outer batch an array:
-# [1750000001.5, [
-#   {"type": "BlockStored", "block_hashes": [2001, 2002], "parent_block_hash": null,
-#    "token_ids": [100, ..., 131], "block_size": 16, "lora_id": null, "medium": "GPU",
-#    "lora_name": null, "extra_keys": [null], "group_idx": 0,
-#    "kv_cache_spec_kind": "full_attention"},
-#   {"type": "BlockRemoved", "block_hashes": [2001], "medium": "GPU", "group_idx": 0},
-#   {"type": "AllBlocksCleared"}
-# ], 1]
-#
-# vllm_kv_events_bytes_hashes.msgpack -- oldest shape: no medium, sha256 bytes hashes
-# (bin 32), dp_rank omitted by omit_defaults:
-# [1750000002.0, [
-#   ["BlockStored", [<sha256("block-0")>, <sha256("block-1")>], null, [0, ..., 31], 16, null],
-#   ["BlockStored", [<sha256("block-2")>], <sha256("block-1")>, [32, ..., 47], 16, null],
-#   ["BlockRemoved", [<sha256("block-0")>]]
-# ]]
-SHA = [hashlib.sha256(f"block-{i}".encode()).digest() for i in range(3)]
-
-
-def _read(name: str) -> bytes:
-    return (DATA / f"vllm_kv_events_{name}.msgpack").read_bytes()
-
-
-def test_fixture_array_encoding() -> None:
-    raw = msgpack.unpackb(_read("array"))
-    assert raw[1][1][7:] == [None, [None], 0, "full_attention", None]  # trailing fields exist
-    assert decode_batch(_read("array")) == KVEventBatch(
-        ts=1750000000.125,
-        events=[
-            BlockStored((1001, 1002), Tier.GPU),
-            BlockStored((1003,), Tier.HOST),
-            BlockRemoved((1001,), Tier.GPU),
-            BlockRemoved((1003,), Tier.HOST),
-            AllBlocksCleared(),
-        ],
-        dp_rank=0,
-    )
-
-
-def test_fixture_map_encoding() -> None:
-    assert decode_batch(_read("map")) == KVEventBatch(
-        ts=1750000001.5,
-        events=[BlockStored((2001, 2002)), BlockRemoved((2001,)), AllBlocksCleared()],
-        dp_rank=1,
-    )
-
-
-def test_fixture_bytes_hashes_and_missing_medium_and_rank() -> None:
-    batch = decode_batch(_read("bytes_hashes"))
-    h = [_u64(d) for d in SHA]
-    assert h[0] == int.from_bytes(SHA[0][-8:], "big")  # the low 64 bits of the digest
-    assert batch == KVEventBatch(
-        ts=1750000002.0,
-        events=[BlockStored((h[0], h[1])), BlockStored((h[2],)), BlockRemoved((h[0],))],
-        dp_rank=None,
-    )
-
-
 def _pack(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
-
-
-def test_int_hashes_are_masked_to_64_bits() -> None:
-    # Some publishers write the u64 hash as a signed i64; masking makes both readings agree.
-    batch = decode_batch(_pack([0.0, [["BlockRemoved", [-1, -(1 << 63), 5], "GPU"]], 0]))
-    assert batch.events == [BlockRemoved((MASK, 1 << 63, 5))]
-
-
-@pytest.mark.parametrize(
-    ("medium", "tier"),
-    [
-        (None, Tier.GPU),
-        ("GPU", Tier.GPU),
-        ("CPU", Tier.HOST),
-        ("cpu", Tier.HOST),
-        ("DISK", Tier.STORE),
-        ("disk", Tier.STORE),
-        ("LMCache", Tier.STORE),
-    ],
-)
-def test_medium_to_tier(medium: str | None, tier: Tier) -> None:
-    arr = decode_batch(_pack([0.0, [["BlockStored", [1], None, [], 16, None, medium]]]))
-    mp = decode_batch(
-        _pack([0.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": medium}]])
-    )
-    assert arr.events == [BlockStored((1,), tier)] and mp.events == [BlockRemoved((1,), tier)]
-
-
-def test_unknown_tags_are_skipped_and_counted() -> None:
-    payload = _pack(
-        [1.0, [["BlockPinned", [1], 7], {"type": "Future", "x": 1}, ["AllBlocksCleared"]], 0]
-    )
-    batch = decode_batch(payload)
-    assert batch.events == [AllBlocksCleared()] and batch.skipped == 2
-
-
-def test_map_shaped_outer_batch_is_accepted() -> None:
-    payload = _pack({"ts": 2, "events": [["AllBlocksCleared"]], "data_parallel_rank": 3})
-    assert decode_batch(payload) == KVEventBatch(2.0, [AllBlocksCleared()], 3)
-
-
-@pytest.mark.parametrize(
-    "payload",
-    [
-        b"\xc1",  # reserved byte, not msgpack
-        b"\x93\x01",  # truncated
-        _pack([1.0, [], 0]) + b"\x00",  # trailing garbage
-        _pack(7),
-        _pack([1.0]),
-        _pack(["yesterday", [], 0]),
-        _pack([1.0, {"events": 1}, 0]),
-        _pack([1.0, [], "zero"]),
-        _pack([1.0, [[]], 0]),
-        _pack([1.0, [[42, [1]]], 0]),
-        _pack([1.0, ["BlockStored"], 0]),
-        _pack([1.0, [["BlockStored", [1], None, []]], 0]),  # too few fields
-        _pack([1.0, [["BlockRemoved"]], 0]),
-        _pack([1.0, [["BlockRemoved", [1.5]]], 0]),  # float hash
-        _pack([1.0, [["BlockRemoved", [True]]], 0]),
-        _pack([1.0, [["BlockRemoved", 5]], 0]),
-        _pack([1.0, [["BlockRemoved", [1], 3]], 0]),  # medium not a string
-        _pack([1.0, [{"type": "BlockStored"}], 0]),
-        _pack([1.0, [{"block_hashes": [1]}], 0]),
-    ],
-)
-def test_malformed_payloads_raise(payload: bytes) -> None:
-    with pytest.raises(KVEventDecodeError):
-        decode_batch(payload)
-
-
-def test_encoder_uses_vllm_field_order() -> None:
-    events: list[KVEvent] = [BlockStored((5, 6), Tier.HOST), BlockRemoved((5,)), AllBlocksCleared()]
-    arr = msgpack.unpackb(encode_batch(events, 3.5, 2, style="array", block_size=32))
-    assert arr == [
-        3.5,
-        [
-            ["BlockStored", [5, 6], None, [], 32, None, "CPU"],
-            ["BlockRemoved", [5], "GPU"],
-            ["AllBlocksCleared"],
-        ],
-        2,
-    ]
-    mp = msgpack.unpackb(encode_batch(events, 3.5, None, style="map"))
-    assert mp[1][0] == {
-        "type": "BlockStored",
-        "block_hashes": [5, 6],
-        "parent_block_hash": None,
-        "token_ids": [],
-        "block_size": 16,
-        "lora_id": None,
-        "medium": "CPU",
-    }
-    assert mp[1][2] == {"type": "AllBlocksCleared"} and mp[2] is None
-    with pytest.raises(ValueError, match="style"):
-        encode_batch(events, 0.0, 0, style="json")  # type: ignore[arg-type]
-
-
-_hashes = st.lists(st.integers(0, MASK), min_size=1, max_size=5).map(tuple)
-_tiers = st.sampled_from(list(Tier))
-_events = st.lists(
-    st.one_of(
-        st.builds(BlockStored, _hashes, _tiers),
-        st.builds(BlockRemoved, _hashes, _tiers),
-        st.just(AllBlocksCleared()),
-    ),
-    max_size=8,
-)
-
-
-@given(
-    events=_events,
-    ts=st.floats(0, 2e9, allow_nan=False),
-    rank=st.one_of(st.none(), st.integers(0, 64)),
-    style=st.sampled_from(["array", "map"]),
-)
-def test_encode_decode_round_trip(
-    events: list[KVEvent], ts: float, rank: int | None, style: str
-) -> None:
-    batch = decode_batch(encode_batch(events, ts, rank, style=style))  # type: ignore[arg-type]
-    assert batch == KVEventBatch(ts, events, rank)
 
 
 # --- the subscriber against real sockets ---------------------------------------------------
@@ -246,7 +44,7 @@ def _frames(seq: int, payload: bytes, topic: str = TOPIC) -> list[bytes]:
 
 def _batch(n: int) -> bytes:
     """Batch number n stores block n, so delivery order is visible in the hashes."""
-    return encode_batch([BlockStored((n,))], float(n), 0)
+    return encode_batch([EngineBlockStored((n,), None, (), 16)], float(n), 0)
 
 
 async def _wait_for(cond: Callable[[], bool], timeout: float = 3.0) -> None:
@@ -272,13 +70,13 @@ class Harness:
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.delivered: list[int] = []
         self.resyncs: list[str] = []
-        self.others: list[KVEvent] = []
+        self.others: list[EngineEvent] = []
         self.stop = asyncio.Event()
 
-        def on_events(instance_id: str, events: list[KVEvent]) -> None:
+        def on_events(instance_id: str, events: list[EngineEvent]) -> None:
             assert instance_id == "p0"
             for e in events:
-                if isinstance(e, BlockStored):
+                if isinstance(e, EngineBlockStored):
                     self.delivered.extend(e.block_hashes)
                 else:
                     self.others.append(e)
@@ -286,9 +84,10 @@ class Harness:
                 after_events(self.delivered)
 
         self.sub = KVEventSubscriber(
-            f"tcp://127.0.0.1:{port}",
+            f"tcp://*:{port}",  # the engine binds: the subscriber connects to engine_host
             "p0",
             on_events,
+            engine_host="127.0.0.1",
             topic=TOPIC,
             replay_endpoint=replay_endpoint,
             on_resync=self.resyncs.append,
@@ -315,18 +114,23 @@ class Harness:
 
 
 async def _serve_replay(
-    router: zmq.asyncio.Socket, buffer: dict[int, bytes], log: list[int]
+    router: zmq.asyncio.Socket, buffer: dict[int, bytes], log: list[int], *, vllm_032: bool = True
 ) -> None:
-    """What vLLM's publisher does on its ROUTER: stream (seq, payload) >= start, then -1."""
+    """What a publisher does on its replay ROUTER: stream the batches >= start, then seq -1.
+    vLLM 0.32 (``_service_replay``) sends ``[id, b"", topic, seq, payload]`` and ends with
+    ``[id, b"", b"", -1, b""]``; the reference protocol (older publishers) has no topic."""
+    end = (-1).to_bytes(8, "big", signed=True)
     while True:
         ident, empty, start_bytes = await router.recv_multipart()
         assert empty == b""
         start = int.from_bytes(start_bytes, "big")
         log.append(start)
+        topic = [TOPIC.encode()] if vllm_032 else []
         for seq in sorted(buffer):
             if seq >= start:
-                await router.send_multipart([ident, b"", seq.to_bytes(8, "big"), buffer[seq]])
-        await router.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                frames = [ident, b"", *topic, seq.to_bytes(8, "big"), buffer[seq]]
+                await router.send_multipart(frames)
+        await router.send_multipart([ident, b"", *([b""] if vllm_032 else []), end, b""])
 
 
 def test_in_order_stream_and_topic_filter() -> None:
@@ -338,7 +142,8 @@ def test_in_order_stream_and_topic_filter() -> None:
             for seq in range(3):
                 await h.send(seq)
             await h.send(99, topic="other-topic")  # not subscribed: never seen
-            await h.send(3, encode_batch([AllBlocksCleared(), BlockStored((3,))], 3.0, 0))
+            stored = EngineBlockStored((3,), None, (), 16)
+            await h.send(3, encode_batch([AllBlocksCleared(), stored], 3.0, 0))
             await _wait_for(lambda: h.delivered == [0, 1, 2, 3])
             assert (
                 h.others == [AllBlocksCleared()]
@@ -372,7 +177,8 @@ def test_gap_without_replay_endpoint_resyncs() -> None:
     arun(main())
 
 
-def test_gap_is_filled_from_the_replay_router() -> None:
+@pytest.mark.parametrize("vllm_032", [True, False], ids=["vllm-0.32-frames", "topicless-frames"])
+def test_gap_is_filled_from_the_replay_router(vllm_032: bool) -> None:
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
@@ -380,8 +186,9 @@ def test_gap_is_filled_from_the_replay_router() -> None:
         port = router.bind_to_random_port("tcp://127.0.0.1")
         buffer = {seq: _batch(seq) for seq in range(6)}
         requests: list[int] = []
-        server = asyncio.create_task(_serve_replay(router, buffer, requests))
-        h = Harness(ctx, replay_endpoint=f"tcp://127.0.0.1:{port}")
+        server = asyncio.create_task(_serve_replay(router, buffer, requests, vllm_032=vllm_032))
+        # vLLM's replay ROUTER binds; a wildcard endpoint is reached at the engine's host.
+        h = Harness(ctx, replay_endpoint=f"tcp://*:{port}")
         try:
             await h.start()
             for seq in (0, 1, 4, 5):  # 2 and 3 lost on the PUB path
@@ -496,14 +303,157 @@ def test_a_failing_consumer_triggers_resync_and_the_stream_goes_on() -> None:
     arun(main())
 
 
+def _port_is_free(port: int) -> bool:
+    ctx = zmq.Context()
+    probe = ctx.socket(zmq.PUB)
+    probe.setsockopt(zmq.LINGER, 0)
+    try:
+        probe.bind(f"tcp://127.0.0.1:{port}")
+        return True
+    except zmq.ZMQError:
+        return False
+    finally:
+        probe.close(linger=0)
+        ctx.term()
+
+
 def test_close_is_idempotent_and_run_can_restart() -> None:
+    port = PORT_BASE + 1
+    assert _port_is_free(port)
+
     async def main() -> None:
-        sub = KVEventSubscriber("tcp://127.0.0.1:1", "p0", lambda _i, _e: None)
+        sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", "p0", lambda _i, _e: None)
         stop = asyncio.Event()
         stop.set()
-        await sub.run(stop)  # own context: created, used, terminated
+        await sub.run(stop)  # own context: created, bound (vLLM connects here), closed
+        assert sub.bound is True
+        assert _port_is_free(port)  # the run released the address
         sub.close()
-        await sub.run(stop)  # a fresh context is created for the second run
+        sub.close()  # idempotent
+        await sub.run(stop)  # a fresh context is created for the second run: binds again
+        assert sub.bound is True and _port_is_free(port)
         sub.close()
+
+    arun(main())
+
+
+# --- which side binds ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "engine_host", "bind", "want"),
+    [
+        # vLLM binds: the subscriber connects (a wildcard host -> the engine's host).
+        ("tcp://*:5557", "10.0.0.7", None, SubscriberEndpoint("tcp://10.0.0.7:5557", False)),
+        ("tcp://[::]:5557", "10.0.0.7", None, SubscriberEndpoint("tcp://10.0.0.7:5557", False)),
+        ("tcp://0.0.0.0:5557", "::1", None, SubscriberEndpoint("tcp://[::1]:5557", False)),
+        ("ipc:///tmp/kv.sock", "h", None, SubscriberEndpoint("ipc:///tmp/kv.sock", False)),
+        ("inproc://kv", "h", None, SubscriberEndpoint("inproc://kv", False)),
+        # vLLM connects to tcp://host:P: the subscriber binds there.
+        ("tcp://127.0.0.1:5557", "h", None, SubscriberEndpoint("tcp://127.0.0.1:5557", True)),
+        ("tcp://gw.local:5557", "h", None, SubscriberEndpoint("tcp://gw.local:5557", True)),
+        # Forced by configuration.
+        ("tcp://127.0.0.1:5557", "h", False, SubscriberEndpoint("tcp://127.0.0.1:5557", False)),
+        ("tcp://*:5557", "h", True, SubscriberEndpoint("tcp://*:5557", True)),
+        ("ipc:///tmp/kv.sock", "h", True, SubscriberEndpoint("ipc:///tmp/kv.sock", True)),
+    ],
+)
+def test_resolve_endpoint_follows_vllms_rule(
+    endpoint: str, engine_host: str, bind: bool | None, want: SubscriberEndpoint
+) -> None:
+    assert resolve_endpoint(endpoint, engine_host, bind) == want
+
+
+@pytest.mark.parametrize("endpoint", ["udp://1.2.3.4:5", "tcp://5557", "tcp://:5557", "kv"])
+def test_resolve_endpoint_rejects_non_zmq_endpoints(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="endpoint"):
+        resolve_endpoint(endpoint, "127.0.0.1")
+
+
+async def _receive_one(endpoint: str, pub: zmq.asyncio.Socket) -> KVEventSubscriber:
+    """Subscribe to ``endpoint``; once the publisher (an XPUB) sees the subscription, send a
+    batch storing block 7 and wait until the subscriber delivers it."""
+    got: list[int] = []
+
+    def on_events(_instance: str, events: list[EngineEvent]) -> None:
+        got.extend(h for e in events if isinstance(e, EngineBlockStored) for h in e.block_hashes)
+
+    sub = KVEventSubscriber(endpoint, "p0", on_events)
+    stop = asyncio.Event()
+    task = asyncio.create_task(sub.run(stop))
+    try:
+        assert await asyncio.wait_for(pub.recv(), timeout=3) == b"\x01"  # subscribed to all
+        await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), _batch(7)])
+        await _wait_for(lambda: got == [7])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=3)
+    return sub
+
+
+def test_subscriber_binds_for_a_publisher_that_connects() -> None:
+    # vLLM with endpoint tcp://127.0.0.1:P connects its PUB: the subscriber must bind P.
+    port = PORT_BASE + 2
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        try:
+            pub.connect(f"tcp://127.0.0.1:{port}")  # may come before the bind: ZMQ retries
+            sub = await _receive_one(f"tcp://127.0.0.1:{port}", pub)
+            assert sub.side == SubscriberEndpoint(f"tcp://127.0.0.1:{port}", bind=True)
+            assert sub.bound is True
+        finally:
+            pub.close(linger=0)
+            ctx.destroy(linger=0)
+
+    arun(main())
+
+
+def test_subscriber_connects_to_an_ipc_publisher() -> None:
+    SOCK_DIR.mkdir(parents=True, exist_ok=True)
+    path = SOCK_DIR / "engine.sock"
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"ipc://{path}")  # vLLM binds ipc:// endpoints
+        try:
+            sub = await _receive_one(f"ipc://{path}", pub)
+            assert sub.bound is False
+        finally:
+            pub.close(linger=0)
+            ctx.destroy(linger=0)
+
+    try:
+        arun(main())
+    finally:
+        path.unlink(missing_ok=True)
+        SOCK_DIR.rmdir()
+
+
+def test_address_in_use_falls_back_to_connect_unless_bind_is_forced() -> None:
+    # An engine given tcp://*:P binds P; kvgate given tcp://127.0.0.1:P would bind it too.
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            sub = await _receive_one(f"tcp://127.0.0.1:{port}", pub)
+            assert (
+                sub.side.bind and sub.bound is False
+            )  # connected to the publisher that holds the address
+            forced = KVEventSubscriber(
+                f"tcp://127.0.0.1:{port}", "p1", lambda _i, _e: None, bind=True
+            )
+            with pytest.raises(zmq.ZMQError):
+                await forced.run(asyncio.Event())
+            assert forced.bound is None
+        finally:
+            pub.close(linger=0)
+            ctx.destroy(linger=0)
 
     arun(main())

@@ -121,3 +121,64 @@ def test_hit_rate_between_scrapes() -> None:
     assert hit_rate_between(EngineLoad("x", 0.0), _counters(1, 2)) is None
     sglang = parse_metrics(_fixture("sglang_dp2_metrics.txt"), "d", 0.0)
     assert hit_rate_between(sglang, sglang) == pytest.approx(0.40)
+
+
+# --- pages captured from real engines (vLLM 0.32 CPU, llama-server 0.3.36) -------------------
+
+
+def test_captured_vllm_0_32_page() -> None:
+    # Three requests (2580, 2580, 2609 prompt tokens); the repeat hit 2560 tokens (80 blocks).
+    load = parse_metrics(_fixture("vllm_0_32_metrics.txt"), "v", 1.0)
+    assert load.engine == "vllm" and load.understood
+    assert (load.num_running, load.num_waiting, load.num_waiting_for_capacity) == (0, 0, 0)
+    assert load.kv_usage == 0.0
+    assert (load.prefix_cache_hits, load.prefix_cache_queries) == (2560, 2580 + 2580 + 2609)
+    assert (load.block_size, load.num_gpu_blocks) == (32, 16384)
+    assert load.capacity_tokens == 32 * 16384 == load.token_capacity  # kv_cache_size_tokens
+
+
+def test_captured_llamacpp_page_is_understood() -> None:
+    # One request running; llamacpp:prompt_tokens_total (827) excludes the 822 cached tokens.
+    load = parse_metrics(_fixture("llamacpp_metrics_busy.txt"), "l", 2.0)
+    assert load.engine == "llamacpp" and load.understood
+    assert (load.num_running, load.num_waiting) == (1, 0)
+    assert (load.prefix_cache_hits, load.prefix_cache_queries) == (822, 827 + 822)
+    assert load.kv_usage is None and load.capacity_tokens is None  # /slots has it
+
+
+def test_explicit_flavour_that_does_not_match_is_not_understood() -> None:
+    text = _fixture("llamacpp_metrics_busy.txt")
+    assert parse_metrics(text, "l", 0.0, "llamacpp").num_running == 1
+    wrong = parse_metrics(text, "l", 0.0, "vllm")
+    assert wrong.engine == "vllm" and not wrong.understood and wrong.num_running is None
+    assert not parse_metrics("# HELP up x\n# TYPE up gauge\nup 1\n", "u", 0.0).understood
+
+
+def test_vllm_waiting_by_reason_is_the_fallback_for_waiting() -> None:
+    text = (
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 3\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="deferred"} 2\n'
+        'vllm:num_requests_waiting_by_reason{engine="1",reason="capacity"} 1\n'
+    )
+    load = parse_metrics(text, "x", 0.0)
+    assert (load.num_waiting, load.num_waiting_for_capacity) == (6, 4)
+
+
+def test_vllm_cached_prompt_counters_are_the_fallback_pair() -> None:
+    text = "vllm:prompt_tokens_cached_total 40\nvllm:prompt_tokens_total 100\n"
+    load = parse_metrics(text, "x", 0.0)
+    assert (load.prefix_cache_hits, load.prefix_cache_queries) == (40, 100)
+
+
+def test_sglang_current_names_sum_cache_sources_and_state_capacity() -> None:
+    text = (
+        'sglang:cached_tokens_total{model_name="m",cache_source="device"} 300\n'
+        'sglang:cached_tokens_total{model_name="m",cache_source="host"} 100\n'
+        'sglang:prompt_tokens_total{model_name="m"} 1000\n'
+        'sglang:max_total_num_tokens{model_name="m"} 161721\n'
+        'sglang:num_running_reqs{model_name="m"} 2\n'
+    )
+    load = parse_metrics(text, "s", 0.0)
+    assert (load.prefix_cache_hits, load.prefix_cache_queries) == (400, 1000)
+    assert load.capacity_tokens == 161721 and load.num_running == 2
+    assert hit_rate_between(_counters(0, 0), load) == pytest.approx(0.4)

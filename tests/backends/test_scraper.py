@@ -4,6 +4,7 @@ targets scraped concurrently, staleness, live target changes and the periodic lo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager, suppress
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer, unused_port
 
@@ -21,6 +23,9 @@ from backends.scraper import MetricsScraper
 DATA = Path(__file__).parent / "data"
 VLLM = (DATA / "vllm_v1_dp2_metrics.txt").read_text()
 SGLANG = (DATA / "sglang_dp2_metrics.txt").read_text()
+LLAMA = (DATA / "llamacpp_metrics_busy.txt").read_text()
+LLAMA_SLOTS = (DATA / "llamacpp_slots_busy.json").read_text()
+LLAMA_PROPS = (DATA / "llamacpp_props.json").read_text()
 T = TypeVar("T")
 
 
@@ -193,3 +198,82 @@ def test_run_loop_scrapes_periodically_until_stopped() -> None:
             assert all(r["v"] is not None and r["e"] is None for r in rounds)
 
     arun(main())
+
+
+@asynccontextmanager
+async def llama_fleet() -> AsyncIterator[tuple[str, dict[str, int]]]:
+    """llama-server look-alikes serving captured pages: /slots on (``/withslots``) or off
+    (``/noslots``: 501 as with --no-slots, so /props must answer)."""
+    hits: dict[str, int] = {}
+
+    async def page(request: web.Request) -> web.StreamResponse:
+        name, what = request.match_info["name"], request.match_info["what"]
+        hits[f"{name}/{what}"] = hits.get(f"{name}/{what}", 0) + 1
+        if what == "metrics":
+            return web.Response(text=LLAMA, content_type="text/plain")
+        if what == "slots" and name == "withslots":
+            return web.Response(text=LLAMA_SLOTS, content_type="application/json")
+        if what == "props":
+            return web.Response(text=LLAMA_PROPS, content_type="application/json")
+        return web.Response(status=501, text="This server does not support slots endpoint.")
+
+    app = web.Application()
+    app.router.add_get("/{name}/{what}", page)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), hits
+    finally:
+        await server.close()
+
+
+def test_llamacpp_slot_layout_gives_capacity_read_once() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        async with llama_fleet() as (base, hits), aiohttp.ClientSession() as session:
+            targets = {"a": f"{base}/withslots", "b": f"{base}/noslots"}
+            scraper = MetricsScraper(session, targets, clock=clock, engines={"b": "llamacpp"})
+            for _ in range(3):
+                out = await scraper.scrape_all()
+            a, b = out["a"], out["b"]
+            assert a is not None and b is not None
+            assert (a.engine, a.slots, a.capacity_tokens, a.num_running) == ("llamacpp", 2, 4096, 1)
+            assert (b.slots, b.capacity_tokens) == (2, 4096)  # from /props
+            assert hits["withslots/metrics"] == 3 and hits["withslots/slots"] == 1
+            assert hits["noslots/slots"] == 1 and hits["noslots/props"] == 1
+            assert scraper.stats["a"].engine == "llamacpp" and scraper.stats["a"].understood
+
+    arun(main())
+
+
+def test_openai_engines_are_not_scraped() -> None:
+    async def main() -> None:
+        async with fleet() as f, aiohttp.ClientSession() as session:
+            targets = {"v": f.url("vllm"), "o": f.url("sglang")}
+            scraper = MetricsScraper(session, targets, clock=FakeClock(), engines={"o": "openai"})
+            assert set(await scraper.scrape_all()) == {"v"}
+            assert "sglang" not in f.hits and scraper.stats["o"].scrapes == 0
+
+    arun(main())
+
+
+def test_a_page_with_nothing_understood_is_logged_once_and_shown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        async with fleet() as f, aiohttp.ClientSession() as session:
+            # An sglang page read as vLLM (a wrong engine setting): nothing matches.
+            scraper = MetricsScraper(
+                session, {"s": f.url("sglang")}, clock=clock, engines={"s": "vllm"}
+            )
+            for _ in range(3):
+                load = (await scraper.scrape_all())["s"]
+                assert load is not None and not load.understood
+            stats = scraper.stats["s"]
+            assert (stats.scrapes, stats.engine, stats.understood) == (3, "vllm", False)
+
+    with caplog.at_level(logging.WARNING, logger="backends.scraper"):
+        arun(main())
+    warnings = [r for r in caplog.records if "no load signal was understood" in r.getMessage()]
+    assert len(warnings) == 1 and "instance s" in warnings[0].getMessage()

@@ -297,6 +297,30 @@ def test_bootstrap_port_requires_sglang(write_toml: WriteToml) -> None:
     assert_names(load_error(path), path, "pools[0].instances[0].bootstrap_port")
 
 
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ('kv_events_endpoint = "tcp://5557"', "kv_events_endpoint"),  # no host
+        ('kv_events_endpoint = "tcp://*:kv"', "kv_events_endpoint"),  # no port
+        ('kv_events_endpoint = "http://127.0.0.1:5557"', "kv_events_endpoint"),
+        ("kv_events_bind = true", "kv_events_bind"),  # nothing to bind
+    ],
+)
+def test_kv_events_endpoint_and_bind_are_checked(
+    write_toml: WriteToml, fields: str, key: str
+) -> None:
+    path = write_toml(POOLS.replace('id = "p0"', f'id = "p0"\n{fields}'))
+    assert_names(load_error(path), path, f"pools[0].instances[0].{key}")
+
+
+def test_kv_events_endpoint_forms_and_bind_override_load(write_toml: WriteToml) -> None:
+    for endpoint in ("tcp://*:5557", "tcp://10.0.0.2:5557", "ipc:///run/v.sock"):
+        fields = f'kv_events_endpoint = "{endpoint}"\nkv_events_bind = false'
+        path = write_toml(POOLS.replace('id = "p0"', f'id = "p0"\n{fields}'))
+        (p0, _) = load_settings(path).instances()
+        assert (p0.kv_events_endpoint, p0.kv_events_bind) == (endpoint, False)
+
+
 def test_all_errors_are_collected_one_per_line(write_toml: WriteToml) -> None:
     path = write_toml('[slo]\nttft_s = "x"\ntbt = 1\n[admission]\nmode = "bad"\n')
     err = load_error(path)
@@ -439,7 +463,7 @@ def test_round_trip_through_dict_and_json() -> None:
     )
     plain = settings_to_dict(settings)
     assert plain["admission"]["mode"] == "predictive"
-    assert "predict_on_route_ttl_s" not in plain["routing"]  # None means "not set"
+    assert plain["routing"]["predict_on_route_ttl_s"] == 120.0  # finite by default
     assert settings_from_dict(plain) == settings
     assert settings_from_dict(json.loads(json.dumps(plain))) == settings
 

@@ -10,6 +10,7 @@ from config.settings import Settings
 from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, parse_request
 from routing.hashing import BlockHasher
 from routing.prompt import chat_prompt_text
+from routing.prompt_encoder import ApproxPromptEncoder
 from routing.tokenizer import ApproxTokenizer, Tokenizer
 
 SETTINGS = Settings()
@@ -31,7 +32,7 @@ def parse(
         "rid-1",
         5.0,
         settings=SETTINGS,
-        tokenizer=tokenizer,
+        encoder=ApproxPromptEncoder(tokenizer),
         hasher=HASHER,
     )
 
@@ -106,3 +107,40 @@ def test_bad_requests_name_the_parameter(body, path, headers, param, status) -> 
     with pytest.raises(BadRequest) as err:
         parse(body, path=path, headers=headers)
     assert err.value.param == param and err.value.status == status and err.value.message
+
+
+def test_exact_encoder_hashes_the_engines_own_tokens() -> None:
+    from routing.chat_template import ChatTemplate
+    from routing.prompt_encoder import EnginePromptEncoder
+    from tests.tiny_model import CHATML, load_tokenizer
+
+    tok = load_tokenizer()
+    encoder = EnginePromptEncoder(tok, ChatTemplate(CHATML, {"bos_token": "<s>"}))
+    system = "You are a careful assistant for the kvgate gateway tests. " * 10
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    raw = json.dumps({"messages": messages}).encode()
+    info = parse_request(
+        CHAT, raw, {}, "r", 0.0, settings=SETTINGS, encoder=encoder, hasher=HASHER
+    ).info
+    text = f"<s><|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    ids = tok.encode(text + "<|im_start|>assistant\n", add_special_tokens=False).ids
+    assert info.prompt_tokens == len(ids) and info.block_hashes == HASHER.hash_tokens(ids)
+    salted = json.dumps({"messages": messages, "cache_salt": "tenant-a"}).encode()
+    info_salted = parse_request(
+        CHAT, salted, {}, "r", 0.0, settings=SETTINGS, encoder=encoder, hasher=HASHER
+    ).info
+    # A salted prompt never shares blocks with an unsalted one (vLLM keys salt into block 0).
+    assert info_salted.prompt_tokens == info.prompt_tokens
+    assert not set(info_salted.block_hashes) & set(info.block_hashes)
+
+
+def test_exact_encoder_errors_are_bad_requests_naming_the_parameter() -> None:
+    from routing.chat_template import ChatTemplate
+    from routing.prompt_encoder import EnginePromptEncoder
+    from tests.tiny_model import load_tokenizer
+
+    encoder = EnginePromptEncoder(load_tokenizer(), ChatTemplate("{{ raise_exception('no') }}", {}))
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()
+    with pytest.raises(BadRequest) as err:
+        parse_request(CHAT, body, {}, "r", 0.0, settings=SETTINGS, encoder=encoder, hasher=HASHER)
+    assert err.value.param == "messages" and "no" in err.value.message

@@ -186,3 +186,67 @@ def test_request_ids_are_unique_32_hex_digits() -> None:
 
     ids = {new_request_id() for _ in range(1000)}
     assert len(ids) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_a_retry_avoids_the_instance_whose_connection_failed() -> None:
+    import uvicorn
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from config.settings import InstanceSettings, PoolSettings, Role, ServerSettings
+    from gateway.app import build_app
+    from replay.emulator import EmulatorConfig, start_emulator
+
+    async def healthy(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def drop(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        request.transport.close()  # healthy to the checker, but the request's leg breaks
+        return web.Response()
+
+    async def run(pool: tuple[str, ...]) -> tuple[int, str | None, dict]:
+        broken_app = web.Application()
+        broken_app.router.add_get("/health", healthy)
+        broken_app.router.add_post("/v1/completions", drop)
+        broken = TestServer(broken_app, host="127.0.0.1")
+        await broken.start_server()
+        live = await start_emulator(EmulatorConfig(role=Role.BOTH, port=0, time_scale=0.01))
+        urls = {"broken": str(broken.make_url("")).rstrip("/"), "live": live.url}
+        insts = tuple(InstanceSettings(i, urls[i], Role.BOTH) for i in pool)
+        settings = Settings(
+            routing=replace(Settings().routing, policy="least_load"),  # ties: the first
+            admission=replace(Settings().admission, mode=AdmissionMode.NONE),
+            server=ServerSettings(health_interval_s=30.0, refit_interval_s=0, max_retries=1),
+            pools=(PoolSettings("w", Role.BOTH, insts),),
+        )
+        app = build_app(settings)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        )
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        try:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json={"prompt": "hi " * 40, "max_tokens": 2}) as r,
+            ):
+                out = (r.status, r.headers.get("x-kvgate-prefill"), await r.json())
+            assert not app.gateway.conductor.requests
+            assert app.gateway.conductor.instances["broken"].healthy  # not ejected: avoided
+            return out
+        finally:
+            server.should_exit = True
+            await task
+            await live.stop()
+            await broken.close()
+
+    # Both idle: the first choice is the broken instance (registration order breaks the tie),
+    # and so would the retry's be if it did not avoid it.
+    status, prefill, _ = asyncio.run(run(("broken", "live")))
+    assert (status, prefill) == (200, "live")
+    # Nowhere else to go: the client hears the engine failed, not "no capacity".
+    status, _, body = asyncio.run(run(("broken",)))
+    assert status == 502 and body["error"]["type"] == "upstream_error"

@@ -16,7 +16,7 @@ from routing.hashing import (
     block_tokens_for_id,
     hash_ids_to_blocks,
 )
-from routing.tokenizer import ApproxTokenizer
+from routing.tokenizer import ApproxTokenizer, pack_token_ids
 
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=200)
 
@@ -208,3 +208,41 @@ def test_property_common_prefix_common_hashes(
     h = BlockHasher(4)
     k = len(prefix) // 4
     assert h.hash_tokens(prefix + a)[:k] == h.hash_tokens(prefix + b)[:k]
+
+
+@settings(max_examples=50)
+@given(tokens=tokens_st, cuts=st.lists(st.integers(0, 60), max_size=8))
+def test_continue_chain_in_any_pieces_equals_one_pass(tokens: list[int], cuts: list[int]) -> None:
+    # How engine events are re-keyed: the chain continues from a digest, partial blocks carried.
+    h = BlockHasher(4, memo_blocks=8)
+    packed = pack_token_ids(tokens)
+    keys: list[int] = []
+    digest, carry, pos = h.root, b"", 0
+    for cut in [*cuts, len(tokens)]:
+        piece = packed[pos * 4 : (pos + cut) * 4]
+        pos += cut
+        got, digest = h.continue_chain(digest, carry + piece)
+        carry = (carry + piece)[len(got) * 16 :]
+        keys.extend(got)
+    assert tuple(keys) == _reference(tokens, 4) == h.hash_packed(packed)
+    assert h.continue_chain(digest, b"\0" * 8) == ((), digest)  # no full block: same digest
+
+
+def test_namespace_roots_separate_hash_spaces() -> None:
+    h = BlockHasher(4)
+    packed = pack_token_ids(list(range(8)))
+    plain = h.hash_packed(packed)
+    roots = {
+        (lora, salt): h.namespace_root(lora, salt)
+        for lora in (None, "a", "b")
+        for salt in (None, "a", "s")
+    }
+    assert roots[(None, None)] == h.root == bytes(8)
+    assert len(set(roots.values())) == len(roots)  # no two namespaces share a root
+    spaces = {h.hash_packed(packed, root=r) for r in roots.values()}
+    assert len(spaces) == len(roots) and plain in spaces
+    assert h.namespace_root("a", None) == BlockHasher(4).namespace_root("a", None)  # stable
+    assert h.namespace_root("a", None) != BlockHasher(4, seed=1).namespace_root("a", None)
+    assert h.continue_chain(roots[("a", None)], packed)[0] == h.hash_packed(
+        packed, root=roots[("a", None)]
+    )

@@ -1,0 +1,325 @@
+"""Does prefix routing pay on real engines? A shared-prefix chat workload through kvgate.
+
+For each policy: fresh real engines (llama.cpp ``llama-server`` or vLLM, started by the repo's
+own harness, tests/real/engines.py), a fresh ``kvgate serve`` in front of them, then the same
+workload: ``--system-prompts`` long system prompts picked with Zipf popularity, a short unique
+user turn each, ``--requests`` streamed chat requests at most ``--concurrency`` at a time.
+Reported per policy, from what the ENGINES said (``usage.prompt_tokens_details.cached_tokens``
+of every response) and what the client saw: engine prefix hit ratio, mean / p90 TTFT, wall time,
+the load split over the engines (``x-kvgate-prefill``), errors; plus kvgate's own view
+(``kvgate_cache_hit_ratio`` and the engine-reported gauge where the gateway exports it) so the
+two can be compared. The workload's bound is the hit ratio of one infinite cache (every system
+prompt cached after its first use). Every process started here is ended by PID.
+
+    python -m bench.real_prefix_routing --engine llamacpp --instances 3 --requests 240 \\
+        --json out/real-prefix-llamacpp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.real.engines import EngineProcess, start_llama_server, start_vllm, stop_engine
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "zu", "an", "el", "or", "is")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    system_prompts: tuple[str, ...]
+    picks: tuple[int, ...]  # system prompt index per request
+    users: tuple[str, ...]
+
+    def bound_hit_fraction(self) -> float:
+        """Share of requests that could reuse a cached system prompt with one infinite cache."""
+        seen: set[int] = set()
+        hits = 0
+        for p in self.picks:
+            hits += p in seen
+            seen.add(p)
+        return hits / max(1, len(self.picks))
+
+
+def make_workload(n_prompts: int, words: int, requests: int, zipf_s: float, seed: int) -> Workload:
+    rng = random.Random(seed)
+
+    def word() -> str:
+        return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+
+    # Lengths spread over [words, 2*words] so the prompts are 1-2k tokens on the tiny models.
+    prompts = tuple(
+        " ".join(word() for _ in range(rng.randint(words, 2 * words))) for _ in range(n_prompts)
+    )
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(n_prompts)]
+    picks = tuple(rng.choices(range(n_prompts), weights=weights, k=requests))
+    users = tuple(f"question {i}: " + " ".join(word() for _ in range(12)) for i in range(requests))
+    return Workload(prompts, picks, users)
+
+
+@dataclass(slots=True)
+class RunResult:
+    policy: str
+    ttft_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    split: Counter[str] = field(default_factory=Counter)
+    wall_s: float = 0.0
+    gateway_metrics: dict[str, float] = field(default_factory=dict)
+    # (system prompt index, prompt tokens, cached tokens) per completed request
+    per_request: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def bound_cached_tokens(self) -> int:
+        """Cached tokens with one infinite cache: every repeat of a system prompt reuses the
+        most any engine ever reported cached for that prompt in this run."""
+        best: dict[int, int] = {}
+        for pick, _, cached in self.per_request:
+            best[pick] = max(best.get(pick, 0), cached)
+        seen: set[int] = set()
+        total = 0
+        for pick, _, _ in self.per_request:
+            total += best[pick] if pick in seen else 0
+            seen.add(pick)
+        return total
+
+    def summary(self) -> dict[str, Any]:
+        t = sorted(self.ttft_s)
+        n = len(t)
+        return {
+            "policy": self.policy,
+            "completed": n,
+            "errors": dict(self.errors),
+            "engine_hit_ratio": self.cached_tokens / max(1, self.prompt_tokens),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "bound_hit_ratio": self.bound_cached_tokens() / max(1, self.prompt_tokens),
+            "ttft_mean_s": sum(t) / n if n else None,
+            "ttft_p50_s": t[n // 2] if n else None,
+            "ttft_p90_s": t[min(n - 1, int(0.9 * n))] if n else None,
+            "wall_s": self.wall_s,
+            "split": dict(sorted(self.split.items())),
+            "gateway_metrics": self.gateway_metrics,
+        }
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str, wl: Workload, i: int, out: RunResult
+) -> None:
+    system, user = wl.system_prompts[wl.picks[i]], wl.users[i]
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first: float | None = None
+    prompt = cached = 0
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            out.errors[str(resp.status)] += 1
+            await resp.read()
+            return
+        out.split[resp.headers.get("x-kvgate-prefill", "?")] += 1
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if first is None and event.get("choices"):
+                first = time.perf_counter()
+            usage = event.get("usage")
+            if usage:
+                prompt = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                cached = int(details.get("cached_tokens") or 0)
+    if first is None:
+        out.errors["no_token"] += 1
+        return
+    out.ttft_s.append(first - t0)
+    out.prompt_tokens += prompt
+    out.cached_tokens += cached
+    out.per_request.append((wl.picks[i], prompt, cached))
+
+
+async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: float, policy: str):
+    out = RunResult(policy)
+    queue = list(range(len(wl.picks)))
+    queue.reverse()
+    deadline = time.monotonic() + budget_s
+    timeout = aiohttp.ClientTimeout(total=120)
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def worker() -> None:
+            while queue and time.monotonic() < deadline:
+                i = queue.pop()
+                try:
+                    await _one(session, url, model, wl, i, out)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    out.errors[type(exc).__name__] += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        out.wall_s = time.perf_counter() - t0
+        async with session.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(("kvgate_cache_hit_ratio", "kvgate_engine_cache_hit_ratio")):
+            name, _, value = line.rpartition(" ")
+            out.gateway_metrics[name] = float(value)
+    return out
+
+
+def gateway_config(engines: list[EngineProcess], policy: str, port: int, extra: str) -> str:
+    lines = [
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        "refit_interval_s = 0",
+        "[routing]",
+        f'policy = "{policy}"',
+        "[admission]",
+        'mode = "none"',
+        "[replication]",
+        "enabled = false",
+        extra,
+        "[[pools]]",
+        'name = "workers"',
+        'role = "both"',
+    ]
+    for i, e in enumerate(engines):
+        protocol = "vllm" if e.kind == "vllm" else "openai"
+        lines += ["[[pools.instances]]", f'id = "e{i}"', f'url = "{e.url}"']
+        lines.append(f'protocol = "{protocol}"')
+        if e.kv_events_endpoint:
+            lines.append(f'kv_events_endpoint = "{e.kv_events_endpoint}"')
+    return "\n".join(lines) + "\n"
+
+
+def start_engines(kind: str, n: int, tmp: Path, slots: int) -> list[EngineProcess]:
+    engines: list[EngineProcess] = []
+    try:
+        for i in range(n):
+            if kind == "llamacpp":
+                engines.append(start_llama_server(_port(), slots=slots, cache_ram_mib=0))
+            else:
+                ep = f"ipc://{tmp}/kv-{i}.sock"
+                args = ["--enable-prompt-tokens-details"]
+                engines.append(start_vllm(_port(), kv_events_endpoint=ep, extra_args=args))
+    except BaseException:
+        for e in engines:
+            stop_engine(e)
+        raise
+    return engines
+
+
+def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -> dict[str, Any]:
+    engines = start_engines(args.engine, args.instances, tmp, args.slots)
+    gw: subprocess.Popen[bytes] | None = None
+    try:
+        port = _port()
+        cfg = tmp / f"kvgate-{policy}.toml"
+        cfg.write_text(gateway_config(engines, policy, port, args.extra_config))
+        log = (tmp / f"kvgate-{policy}.log").open("wb")
+        code = "import sys; from gateway.cli import main; sys.exit(main())"
+        gw = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", "--config", str(cfg), "--log-level", "warning"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/health", gw, 30.0)
+        res = asyncio.run(drive(url, engines[0].model, wl, args.concurrency, args.budget_s, policy))
+        return res.summary()
+    finally:
+        if gw is not None:
+            gw.send_signal(signal.SIGTERM)
+            try:
+                gw.wait(10)
+            except subprocess.TimeoutExpired:
+                gw.kill()
+        for e in engines:
+            stop_engine(e)
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvgate exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--engine", choices=["llamacpp", "vllm"], default="llamacpp")
+    p.add_argument("--instances", type=int, default=3)
+    p.add_argument("--slots", type=int, default=2, help="llama.cpp -np")
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--system-prompts", type=int, default=8)
+    p.add_argument("--words", type=int, default=500, help="system prompt words (up to 2x)")
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=600.0, help="time cap per policy run")
+    p.add_argument("--policies", default="kvcache_centric,round_robin,least_load")
+    p.add_argument("--extra-config", default="", help="TOML lines added to the gateway config")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    wl = make_workload(args.system_prompts, args.words, args.requests, args.zipf, args.seed)
+    results: dict[str, Any] = {
+        "engine": args.engine,
+        "instances": args.instances,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "bound_request_hit_fraction": wl.bound_hit_fraction(),
+        "runs": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="kvgate-prefix-") as d:
+        for policy in args.policies.split(","):
+            print(f"[{args.engine}] {policy} ...", file=sys.stderr, flush=True)
+            summary = run_policy(args, wl, policy, Path(d))
+            print(json.dumps(summary), file=sys.stderr, flush=True)
+            results["runs"].append(summary)
+    text = json.dumps(results, indent=2)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

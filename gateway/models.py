@@ -1,0 +1,52 @@
+"""Served models at the gateway's edge: how each model's prompts become block keys.
+
+With a ``models`` table every model brings its own prompt encoder (its tokenizer and chat
+template, or the approximate fallback) and its own key space (a BlockHasher seeded with the
+model's name), so equal token ids sent to two models never look like a shared prefix. Without
+one, a single unnamed route serves every request, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+from backends.model_files import make_prompt_encoder
+from config.settings import ModelSettings, Settings
+from routing.hashing import BlockHasher
+from routing.prompt_encoder import PromptEncoder
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    name: str | None  # the model's canonical name; None = the unnamed single model
+    encoder: PromptEncoder
+    hasher: BlockHasher
+
+
+def model_seed(name: str) -> int:
+    """A stable 64-bit hasher seed per model name (BLAKE2b: equal across processes)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _route(settings: Settings, model: ModelSettings) -> ModelRoute:
+    routing = settings.routing
+    if model.model_dir or model.tokenizer_file:
+        routing = replace(routing, model_dir=model.model_dir, tokenizer_file=model.tokenizer_file)
+    hasher = BlockHasher(routing.block_size, seed=model_seed(model.name))
+    return ModelRoute(model.name, make_prompt_encoder(routing), hasher)
+
+
+def build_model_routes(
+    settings: Settings,
+) -> tuple[dict[str, ModelRoute], dict[str, ModelRoute]]:
+    """``(by name or alias, by instance id)``; both empty without a ``models`` table."""
+    by_name: dict[str, ModelRoute] = {}
+    for model in settings.models:
+        route = _route(settings, model)
+        for name in model.names():
+            by_name[name] = route
+    by_instance = {
+        inst.id: by_name[inst.model] for inst in settings.instances() if inst.model in by_name
+    }
+    return by_name, by_instance

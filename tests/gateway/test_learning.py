@@ -1,0 +1,115 @@
+"""Online refits of the prefill predictor, and a measured profile reaching the Conductor."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from backends.profile_file import write_profile_file
+from config.loader import settings_from_dict
+from gateway.learning import Learner
+from gateway.runtime import Gateway
+from predictors.calibration import SweepSample, fit_profile
+from predictors.prefill import AnalyticPrefill
+from routing.conductor import Conductor
+
+
+def true_ms(n: int, c: int) -> float:
+    return 30.0 + 0.5 * n + 1e-4 * n * (c + n / 2)
+
+
+def sweep() -> list[SweepSample]:
+    return [
+        SweepSample(new_tokens=n, cached_tokens=c, seconds=true_ms(n, c) / 1000)
+        for n in (64, 256, 1024, 2048)
+        for c in (0, 1024)
+    ]
+
+
+def settings(**predictors: object):
+    return settings_from_dict(
+        {
+            "predictors": dict(predictors),
+            "server": {"refit_interval_s": 0, "refit_min_new_samples": 5},
+            "pools": [
+                {
+                    "name": "p",
+                    "role": "both",
+                    "instances": [
+                        {"id": "e0", "url": "http://127.0.0.1:18598"},
+                        {"id": "e1", "url": "http://127.0.0.1:18597"},
+                    ],
+                }
+            ],
+        }
+    )
+
+
+def observe(learner: Learner, count: int, scale: float = 1.0) -> None:
+    for i in range(count):
+        n = 100 + 150 * i
+        learner.observe_prefill(None, n, 0, scale * true_ms(n, 0) / 1000)
+
+
+def test_no_refit_until_enough_new_observations() -> None:
+    learner = Learner(Conductor(settings()), 100, 200, min_new_samples=5)
+    observe(learner, 4)
+    assert asyncio.run(learner.refit()) == 0
+    assert learner.refits == 0
+
+
+def test_few_observations_refit_the_analytic_form_on_every_instance() -> None:
+    conductor = Conductor(settings())
+    learner = Learner(conductor, 100, 200, min_new_samples=5)
+    before = conductor.instances["e0"].predictors.prefill.predict(1000, 0)
+    observe(learner, 8)
+    assert asyncio.run(learner.refit()) == 1
+    assert learner.refits == 1 and learner.last_refit_kind == "analytic"
+    preds = {id(i.predictors) for i in conductor.instances.values()}
+    assert len(preds) == 1  # one swap shared by the instances of the profile
+    prefill = conductor.instances["e1"].predictors.prefill
+    assert isinstance(prefill, AnalyticPrefill)
+    assert prefill.predict(1000, 0) == pytest.approx(true_ms(1000, 0) / 1000, rel=0.02)
+    assert prefill.predict(1000, 0) > 10 * before  # the H100 default was far too optimistic
+    # Nothing new: no second refit.
+    assert asyncio.run(learner.refit()) == 0
+    observe(learner, 5)
+    assert asyncio.run(learner.refit()) == 1 and learner.refits == 2
+
+
+def test_refit_continues_from_the_measured_sweep() -> None:
+    cal = fit_profile(sweep(), name="mine", model="tiny")
+    learner = Learner(
+        Conductor(settings()), 100, 200, min_new_samples=5, prior={None: cal.prefill_samples}
+    )
+    observe(learner, 5, scale=1.2)  # the engine got 20 % slower since the sweep
+    data = learner.training_set(None)
+    assert data is not None and len(data) == 8 + 5
+    assert asyncio.run(learner.refit()) == 1
+    assert learner.accuracy()["prior_samples"] == {"None": 8}
+
+
+def test_enough_samples_train_lightgbm() -> None:
+    cal = fit_profile(sweep(), name="mine", model="tiny")
+    learner = Learner(
+        Conductor(settings()), 100, 20, min_new_samples=5, prior={None: cal.prefill_samples}
+    )
+    observe(learner, 12)
+    assert asyncio.run(learner.refit()) == 1
+    assert learner.last_refit_kind == "lightgbm"
+
+
+def test_gateway_uses_the_measured_profile_file(tmp_path: Path) -> None:
+    path = tmp_path / "engine.json"
+    cal = fit_profile(sweep(), name="mine", model="tiny")
+    write_profile_file(path, cal)
+    gw = Gateway(settings(profile_file=str(path)))
+    for inst in gw.conductor.instances.values():
+        assert inst.predictors.profile.name == "mine"
+        # T_prefill is the measured time: no per-step overhead on top of it.
+        expected = cal.profile.prefill.gpu_ms(1000, 0) / 1000
+        assert inst.predictors.prefill.predict(1000, 0) == pytest.approx(expected)
+        assert inst.capacity_tokens == cal.profile.kv_capacity_tokens
+    assert gw.learner.accuracy()["prior_samples"] == {"None": 8, "mine": 8}

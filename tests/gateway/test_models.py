@@ -1,0 +1,117 @@
+"""Several models behind one gateway: the request's ``model`` picks its engines, never others'."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from config.loader import settings_from_dict
+from config.settings import Protocol, Role
+from gateway.app import build_app
+from replay.emulator.config import EmulatorConfig
+from replay.emulator.server import RunningEmulator, start_emulator
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[RunningEmulator]]:
+    """Three colocated emulators on a loop of their own: two serve "alpha", one "beta"."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    names = ("alpha", "alpha", "beta")
+    emus = [
+        run(
+            start_emulator(
+                EmulatorConfig(role=Role.BOTH, protocol=Protocol.VLLM, time_scale=0.02, model=name)
+            )
+        )
+        for name in names
+    ]
+    try:
+        yield emus
+    finally:
+        for e in emus:
+            run(e.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _settings(engines: list[RunningEmulator], with_models: bool = True):
+    pools = [
+        {
+            "name": "alpha-pool",
+            "role": "both",
+            "instances": [
+                {"id": "a0", "url": engines[0].url, "protocol": "vllm"},
+                {"id": "a1", "url": engines[1].url, "protocol": "vllm"},
+            ],
+        },
+        {
+            "name": "beta-pool",
+            "role": "both",
+            "instances": [{"id": "b0", "url": engines[2].url, "protocol": "vllm"}],
+        },
+    ]
+    models = [
+        {"name": "alpha", "pools": ["alpha-pool"], "aliases": ["a"]},
+        {"name": "beta", "pools": ["beta-pool"], "ttft_s": 20.0},
+    ]
+    data: dict[str, Any] = {
+        "server": {"health_interval_s": 30.0, "refit_interval_s": 0},
+        "admission": {"mode": "none"},
+        "pools": pools,
+    }
+    if with_models:
+        data["models"] = models
+    return settings_from_dict(data)
+
+
+def _chat(model: str, text: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+
+
+def test_each_request_reaches_only_its_models_engines(engines: list[RunningEmulator]) -> None:
+    with TestClient(build_app(_settings(engines))) as client:
+        seen: dict[str, set[str]] = {"alpha": set(), "a": set(), "beta": set()}
+        for k in range(12):
+            for model in seen:
+                r = client.post("/v1/chat/completions", json=_chat(model, f"hello {k} " * 40))
+                assert r.status_code == 200, r.text
+                seen[model].add(r.headers["x-kvgate-prefill"])
+        assert seen["alpha"] | seen["a"] <= {"a0", "a1"}
+        assert seen["beta"] == {"b0"}
+        ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert ids == ["alpha", "a", "beta"]
+
+
+def test_unknown_model_is_404_model_not_found(engines: list[RunningEmulator]) -> None:
+    with TestClient(build_app(_settings(engines))) as client:
+        r = client.post("/v1/completions", json={"model": "gamma", "prompt": "hi"})
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert "gamma" in err["message"] and err["type"] == "invalid_request_error"
+        r = client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert client.app.gateway.conductor.requests == {}
+
+
+def test_without_models_table_v1_models_lists_the_engines_models(
+    engines: list[RunningEmulator],
+) -> None:
+    with TestClient(build_app(_settings(engines, with_models=False))) as client:
+        ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert ids == ["alpha", "beta"]
+        # Single-model configs keep ignoring ``model`` for routing, as before.
+        r = client.post("/v1/completions", json={"model": "whatever", "prompt": "hi " * 30})
+        assert r.status_code == 200, r.text

@@ -1,0 +1,1 @@
+"""Integration tests against real engines (vLLM, llama.cpp), marked real_engine."""

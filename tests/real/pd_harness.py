@@ -1,0 +1,217 @@
+"""Real vLLM prefill + decode pairs (NixlConnector with UCX over TCP on loopback, or
+ExampleConnector through a shared directory), ``kvgate serve`` in front of them, and the engine
+counters the P/D tests read; used by tests/real/test_vllm_pd*.py and bench/real_vllm_pd.py.
+
+Recipe: shared/engines/vllm-cpu/README.md ("Prefill/decode disaggregation").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from tests.real.engines import EngineProcess, start_vllm, stop_engine
+
+# Each engine also needs its own VLLM_NIXL_SIDE_CHANNEL_PORT (the decode reads KV through it).
+NIXL_ENV = {
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "UCX_TLS": "tcp,sm,self",
+    "UCX_NET_DEVICES": "lo",
+}
+
+
+def nixl_engine_args(role: str) -> list[str]:
+    """``--kv-transfer-config`` for ``role`` kv_producer (prefill), kv_consumer or kv_both."""
+    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+def shared_storage_engine_args(role: str, directory: str) -> list[str]:
+    """``--kv-transfer-config`` for vLLM's ExampleConnector (KV through a shared directory)."""
+    config = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": directory},
+    }
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+def start_pair(
+    ports: Sequence[int],
+    args: tuple[Sequence[str], Sequence[str]],
+    envs: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {}),
+) -> tuple[EngineProcess, EngineProcess]:
+    """(prefill, decode) with their own engine args and env, started together (~40-60 s each
+    on 2 cores); both or neither."""
+
+    def start(i: int) -> EngineProcess:
+        return start_vllm(ports[i], env=envs[i], extra_args=args[i])
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start, 0), pool.submit(start, 1)]
+        started: list[EngineProcess] = []
+        errors: list[BaseException] = []
+        for f in futures:
+            try:
+                started.append(f.result())
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        for proc in started:
+            stop_engine(proc)
+        raise errors[0]
+    return started[0], started[1]
+
+
+def start_nixl_pair(
+    ports: Sequence[int], side_channel_ports: Sequence[int]
+) -> tuple[EngineProcess, EngineProcess]:
+    """A NixlConnector prefill (kv_producer) + decode (kv_consumer) pair."""
+    envs = tuple({**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p)} for p in side_channel_ports)
+    args = (nixl_engine_args("kv_producer"), nixl_engine_args("kv_consumer"))
+    return start_pair(ports, args, (envs[0], envs[1]))
+
+
+def all_instances_eligible(gateway_url: str) -> bool:
+    """kvgate's /health says every instance can take requests (its first checks are in)."""
+    try:
+        with urllib.request.urlopen(gateway_url + "/health", timeout=1) as r:
+            states = json.loads(r.read()).get("instances", {})
+    except (OSError, ValueError):
+        return False
+    return bool(states) and all(states.values())
+
+
+def pd_gateway_config(port: int, prefill: str, decode: str, kv_connector: str) -> str:
+    """kvgate in front of one prefill and one decode engine (admission off)."""
+    return f"""
+[server]
+host = "127.0.0.1"
+port = {port}
+[admission]
+mode = "none"
+[routing]
+block_size = 32
+[[pools]]
+name = "prefill"
+role = "prefill"
+kv_connector = "{kv_connector}"
+[[pools.instances]]
+id = "p0"
+url = "{prefill}"
+[[pools]]
+name = "decode"
+role = "decode"
+kv_connector = "{kv_connector}"
+[[pools.instances]]
+id = "d0"
+url = "{decode}"
+"""
+
+
+class KvgateProcess:
+    """``kvgate serve`` in a subprocess, ended by PID."""
+
+    def __init__(self, tmp: Path, name: str, port: int, config: str) -> None:
+        cfg = tmp / f"{name}.toml"
+        cfg.write_text(config)
+        self.url = f"http://127.0.0.1:{port}"
+        with (tmp / f"{name}.log").open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvgate exited with {self.proc.returncode} (log {log.name})")
+            if all_instances_eligible(self.url):
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"kvgate on {self.url}: not every instance healthy after 30 s")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def wait_for(ok: Any, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if ok():
+            return time.monotonic() - start
+        time.sleep(0.25)
+    raise AssertionError(f"{what}: not within {timeout_s:g} s")
+
+
+def metrics(engine: EngineProcess) -> str:
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def prompt_tokens_by_source(engine: EngineProcess) -> dict[str, float]:
+    pattern = r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)'
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, metrics(engine), re.M)}
+
+
+def kv_usage(engine: EngineProcess) -> float:
+    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)", metrics(engine), re.M)
+    assert m, f"no vllm:kv_cache_usage_perc on {engine.url}"
+    return float(m[1])
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def salted(text: str) -> str:
+    return f"[{uuid.uuid4().hex}] {text}"
+
+
+def openai_call(client: openai.OpenAI, endpoint: str, stream: bool, prompt: str) -> tuple[str, int]:
+    """(answer text, prompt tokens the engine reported) through the openai SDK."""
+    extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if stream else {}
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=stream, **extra
+        )
+    else:
+        out = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=stream, **extra
+        )
+    if not stream:
+        choice = out.choices[0]
+        text = choice.message.content if endpoint == "chat" else choice.text
+        return text or "", out.usage.prompt_tokens
+    parts, prompt_tokens = [], 0
+    for chunk in out:
+        if chunk.choices:
+            c = chunk.choices[0]
+            parts.append((c.delta.content if endpoint == "chat" else c.text) or "")
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    return "".join(parts), prompt_tokens

@@ -1,0 +1,182 @@
+"""kvgate in front of one real llama-server (``-np 2 --cache-ram 0``): its metrics are
+understood (running/waiting, the slot layout as KV capacity), a prompt longer than the context
+gets the engine's 400 and leaves nothing in the cache view, and the engine's cached-token
+reports keep kvgate's hit ratio close to the engine's own.
+
+Prompts are token ids drawn from the tiny model's vocabulary, so kvgate and the engine count
+the same tokens without tokenizer files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+import uvicorn
+
+from config.settings import (
+    AdmissionMode,
+    EngineKind,
+    InstanceSettings,
+    PoolSettings,
+    Role,
+    Settings,
+)
+from gateway.app import GatewayApp, build_app
+from tests.real.conftest import EngineInstall
+from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
+
+pytestmark = pytest.mark.real_engine
+
+SLOT_CTX = 2048
+VOCAB_HI = 7000  # below the tiny GGUF's vocabulary
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, VOCAB_HI) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llama(llamacpp_install: EngineInstall) -> Iterator[EngineProcess]:
+    (port,) = free_ports(1, 18300, 18350)
+    proc = start_llama_server(port, slots=2, ctx=2 * SLOT_CTX, cache_ram_mib=0)
+    yield proc
+    stop_engine(proc)
+
+
+def _settings(engine: EngineProcess) -> Settings:
+    base = Settings()
+    inst = InstanceSettings("l0", engine.url, Role.BOTH, engine=EngineKind.LLAMACPP)
+    return replace(
+        base,
+        routing=replace(base.routing, block_size=16),
+        admission=replace(base.admission, mode=AdmissionMode.NONE),
+        pools=(PoolSettings("llama", Role.BOTH, (inst,)),),
+        server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),
+    )
+
+
+@asynccontextmanager
+async def _gateway(engine: EngineProcess) -> AsyncIterator[tuple[GatewayApp, str]]:
+    app = build_app(_settings(engine))
+    (port,) = free_ports(1, 18350, 18400)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield app, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _complete(
+    s: aiohttp.ClientSession, url: str, prompt: list[int], stream: bool = False
+) -> tuple[int, dict[str, Any]]:
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    async with s.post(url + "/v1/completions", json=body) as r:
+        raw = await r.read()
+    if not stream:
+        return r.status, json.loads(raw)
+    events = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+    return r.status, next(e for e in events if e.get("usage"))
+
+
+def _gauge(metrics: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", metrics, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_metrics_and_slot_capacity_are_understood(llama: EngineProcess) -> None:
+    async def run() -> tuple[Any, int, str]:
+        async with _gateway(llama) as (app, url), aiohttp.ClientSession() as s:
+            gw = app.gateway
+            assert gw.scraper is not None
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                load = gw.scraper.latest("l0", gw.clock())
+                if load is not None and gw.conductor.instances["l0"].capacity_tokens < 10**5:
+                    break
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
+            return load, gw.conductor.instances["l0"].capacity_tokens, metrics
+
+    load, capacity, metrics = asyncio.run(run())
+    assert load is not None and load.engine == "llamacpp" and load.understood
+    assert load.num_running is not None and load.num_waiting is not None
+    assert (load.slots, load.capacity_tokens) == (2, 2 * SLOT_CTX)
+    assert capacity == 2 * SLOT_CTX  # the engine's, not the H100 profile's
+    assert 'kvgate_engine_metrics_understood{instance="l0"} 1.0' in metrics
+
+
+def test_a_prompt_longer_than_the_context_leaves_nothing_recorded(llama: EngineProcess) -> None:
+    too_long = _ids(99, SLOT_CTX + 500)
+
+    async def run() -> list[tuple[int, dict[str, Any], tuple[int, int]]]:
+        out = []
+        async with _gateway(llama) as (app, url), aiohttp.ClientSession() as s:
+            c = app.gateway.conductor
+            # Repeats must not believe an earlier attempt cached anything, and a client's
+            # oversized prompts must not eject the engine (10 failures open its breaker).
+            for _ in range(12):
+                status, body = await _complete(s, url, too_long)
+                out.append((status, body, c.index.blocks_held("l0")))
+            assert not c.requests
+            assert c.instances["l0"].healthy
+        return out
+
+    for status, body, held in asyncio.run(run()):
+        assert status == 400, body
+        assert body["error"]["type"] == "exceed_context_size_error"
+        assert held == (0, 0)
+
+
+def test_engine_reports_keep_kvgate_hit_ratio_close_to_the_engines(llama: EngineProcess) -> None:
+    # Four ~600-token system prompts, two slots: the engine keeps about two of them, so a view
+    # that never learned evictions would believe far more hits than the engine delivers.
+    systems = [_ids(s, 600) for s in range(4)]
+    rng = random.Random(7)
+    order = [rng.choice((0, 0, 0, 1, 1, 2, 3)) for _ in range(30)]
+
+    async def run() -> tuple[int, int, int, str]:
+        predicted = engine = prompt = 0
+        async with _gateway(llama) as (app, url), aiohttp.ClientSession() as s:
+            for i, which in enumerate(order):
+                status, answer = await _complete(
+                    s, url, systems[which] + _ids(1000 + i, 40), stream=i % 2 == 1
+                )
+                assert status == 200, answer
+                engine += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                prompt += answer["usage"]["prompt_tokens"]
+            records = list(app.gateway.learner.decisions)
+            predicted = sum(r.cached_tokens for r in records)
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
+        return predicted, engine, prompt, metrics
+
+    predicted, engine, prompt, metrics = asyncio.run(run())
+    kvgate_ratio = _gauge(metrics, "kvgate_cache_hit_ratio")
+    engine_ratio = _gauge(metrics, "kvgate_engine_cache_hit_ratio")
+    print(
+        f"\nkvgate predicted {predicted} cached tokens, engine reported {engine} of {prompt}: "
+        f"kvgate_cache_hit_ratio {kvgate_ratio:.3f}, engine {engine_ratio:.3f}"
+    )
+    assert engine_ratio == pytest.approx(engine / prompt, abs=0.02)
+    assert engine_ratio > 0.2  # the workload does hit the cache
+    assert abs(kvgate_ratio - engine_ratio) <= 0.1, (kvgate_ratio, engine_ratio)
+    assert _gauge(metrics, "kvgate_cache_view_dropped_blocks_total") > 0  # evictions learned

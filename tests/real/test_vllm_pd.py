@@ -1,0 +1,169 @@
+"""kvgate's vLLM P/D driver in front of a real prefill + decode vLLM pair (NixlConnector, UCX over
+TCP on loopback): the decode engine computes none of the prompt, and a client that leaves
+mid-way does not leave the prompt's blocks pinned on the prefill engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from backends.drivers import ForwardPlan, Target, UpstreamResponse, VLLMDriver
+from backends.http1 import Http1Client
+from tests.real.conftest import EngineInstall
+from tests.real.engines import EngineProcess, free_ports, stop_engine
+from tests.real.pd_harness import (
+    KvgateProcess,
+    kv_usage,
+    openai_call,
+    pd_gateway_config,
+    post_json,
+    prompt_tokens_by_source,
+    salted,
+    start_nixl_pair,
+    wait_for,
+)
+
+pytestmark = pytest.mark.real_engine
+
+# ~500 prompt tokens with the tiny model's tokenizer; a unique salt keeps every prompt cold.
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 10
+# ~3,400 tokens: a prefill long enough (~0.7 s here) for a client to leave while it runs.
+LONG_TEXT = " ".join(f"word{i}" for i in range(500))
+FREED_WITHIN_S = 10.0  # well inside vLLM 0.32's 30 s KV lease on the prefill side
+
+
+@dataclass(frozen=True)
+class PDStack:
+    prefill: EngineProcess
+    decode: EngineProcess
+    gateway: str  # kvgate's base URL
+
+
+@pytest.fixture(scope="module")
+def pd_stack(vllm_install: EngineInstall, tmp_path_factory: pytest.TempPathFactory):
+    p_port, d_port, gw_port = free_ports(3, lo=18420, hi=18450)
+    side = free_ports(2, lo=18450, hi=18500)
+    prefill, decode = start_nixl_pair([p_port, d_port], side)
+    try:
+        config = pd_gateway_config(gw_port, prefill.url, decode.url, "nixl")
+        gateway = KvgateProcess(tmp_path_factory.mktemp("pd"), "kvgate", gw_port, config)
+        try:
+            yield PDStack(prefill, decode, gateway.url)
+        finally:
+            gateway.stop()
+    finally:
+        stop_engine(decode)
+        stop_engine(prefill)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_decode_engine_takes_every_prompt_token_from_the_kv_transfer(
+    pd_stack: PDStack, endpoint: str, stream: bool
+) -> None:
+    client = openai.OpenAI(base_url=pd_stack.gateway + "/v1", api_key="unused", max_retries=0)
+    p_before = prompt_tokens_by_source(pd_stack.prefill)
+    d_before = prompt_tokens_by_source(pd_stack.decode)
+    text, prompt_tokens = openai_call(client, endpoint, stream, salted(TEXT))
+    p_after = prompt_tokens_by_source(pd_stack.prefill)
+    d_after = prompt_tokens_by_source(pd_stack.decode)
+    assert text and prompt_tokens > 400
+    d_delta = {k: d_after[k] - d_before[k] for k in d_after}
+    assert d_delta["external_kv_transfer"] == prompt_tokens, d_delta
+    assert d_delta["local_compute"] == 0 and d_delta["local_cache_hit"] == 0, d_delta
+    # The prefill engine computed the prompt (a cold, salted one) itself.
+    assert p_after["local_compute"] - p_before["local_compute"] == prompt_tokens
+
+
+def test_prefill_blocks_stay_pinned_until_a_decode_reads_them(pd_stack: PDStack) -> None:
+    """The signal the abort tests rely on: a NIXL prefill with no decode keeps its blocks."""
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, 30, "prefill engine idle")
+    body = {"model": "tiny", "prompt": salted(TEXT), "max_tokens": 1}
+    answer = post_json(
+        pd_stack.prefill.url + "/v1/completions",
+        {**body, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    time.sleep(2.0)
+    assert kv_usage(pd_stack.prefill) > 0.0  # held for a decode engine
+    post_json(
+        pd_stack.decode.url + "/v1/completions",
+        {**body, "kv_transfer_params": answer["kv_transfer_params"]},
+    )
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, FREED_WITHIN_S, "blocks freed")
+
+
+def _leave_after(url: str, body: dict[str, Any], seconds: float) -> None:
+    """Sends a request and closes the connection after ``seconds`` (a client that left)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head + payload)
+        time.sleep(seconds)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_client_leaving_during_the_prefill_frees_the_prefill_blocks(
+    pd_stack: PDStack, stream: bool
+) -> None:
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, 30, "prefill engine idle")
+    before = prompt_tokens_by_source(pd_stack.prefill)["local_compute"]
+    body = {"model": "tiny", "prompt": salted(LONG_TEXT), "max_tokens": 200, "stream": stream}
+    _leave_after(pd_stack.gateway, body, 0.15)
+    # The prefill ran (the client left while it did) ...
+    wait_for(
+        lambda: prompt_tokens_by_source(pd_stack.prefill)["local_compute"] > before,
+        30,
+        "prefill computed",
+    )
+    # ... and its blocks do not wait for the lease: the decode leg reached the decode engine.
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, FREED_WITHIN_S, "blocks freed")
+
+
+def test_driver_cancelled_after_the_prefill_still_frees_the_prefill_blocks(
+    pd_stack: PDStack,
+) -> None:
+    """The window llm-d documents as stranding blocks: the prefill has answered, the decode leg
+    is on its way, and the request is cancelled. kvgate still delivers the decode leg."""
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, 30, "prefill engine idle")
+
+    async def run() -> bool:
+        http = Http1Client()
+        driver = VLLMDriver(http)
+        body = {"model": "tiny", "prompt": salted(TEXT), "max_tokens": 50, "stream": True}
+        rid = uuid.uuid4().hex
+        plan = ForwardPlan(
+            rid,
+            "/v1/completions",
+            body,
+            Target("p0", pd_stack.prefill.url),
+            Target("d0", pd_stack.decode.url),
+            {"X-Request-Id": rid},
+        )
+        upstream: UpstreamResponse | None = None
+        async with aiohttp.ClientSession() as session:
+            opened = asyncio.ensure_future(driver.open(session, plan))
+            plan.on_prefill_done = lambda: asyncio.get_running_loop().call_soon(opened.cancel)
+            with contextlib.suppress(asyncio.CancelledError):
+                upstream = await opened
+            if upstream is not None:
+                upstream.close()
+            await asyncio.gather(*driver.pending)
+        http.close()
+        return upstream is None
+
+    assert asyncio.run(run())  # cancelled while the decode leg was being posted
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, FREED_WITHIN_S, "blocks freed")

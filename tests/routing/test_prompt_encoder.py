@@ -1,0 +1,206 @@
+"""Request bodies -> prompt token ids: the engine's own (exact) and the approximate fallback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from routing.chat_template import ChatTemplate
+from routing.prompt import PromptError, chat_prompt_text
+from routing.prompt_encoder import (
+    CHAT_PATH,
+    ApproxPromptEncoder,
+    EnginePromptEncoder,
+    PromptTokens,
+)
+from routing.tokenizer import ApproxTokenizer, pack_token_ids, unpack_token_ids
+from tests.tiny_model import CHATML, load_tokenizer
+
+COMPLETIONS = "/v1/completions"
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
+TOK = load_tokenizer()
+SYSTEM = "You are a careful assistant for the kvgate gateway tests. " * 20
+
+
+def engine(template: str | None = CHATML, **kwargs: Any) -> EnginePromptEncoder:
+    chat = ChatTemplate(template, SPECIAL) if template is not None else None
+    return EnginePromptEncoder(load_tokenizer(), chat, **kwargs)
+
+
+def ids(tokens: PromptTokens) -> list[int]:
+    assert tokens.n_tokens * 4 == len(tokens.packed)
+    return unpack_token_ids(tokens.packed)
+
+
+def rendered(*turns: tuple[str, str], generation: bool = True) -> str:
+    body = "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns)
+    return "<s>" + body + ("<|im_start|>assistant\n" if generation else "")
+
+
+def test_chat_is_the_template_rendering_tokenized_without_adding_specials() -> None:
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]}
+    enc = engine()
+    assert enc.exact
+    got = ids(enc.encode(CHAT_PATH, body))
+    text = rendered(("system", SYSTEM), ("user", "hi"))
+    assert got == TOK.encode(text, add_special_tokens=False).ids
+    assert got[:2] == [0, 2] and got.count(0) == 1  # BOS once: the template's
+    # Asked for, special tokens are added on top (vLLM's add_special_tokens): BOS twice.
+    doubled = ids(enc.encode(CHAT_PATH, {**body, "add_special_tokens": True}))
+    assert doubled == [0, *got]
+
+
+def test_generation_prompt_and_final_message_options_follow_the_request() -> None:
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer"}]
+    enc = engine()
+    plain = ids(enc.encode(CHAT_PATH, {"messages": msgs, "add_generation_prompt": False}))
+    assert (
+        plain
+        == TOK.encode(rendered(("user", "q"), ("assistant", "The answer"), generation=False)).ids[
+            1:
+        ]
+    )
+    cont = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    text = rendered(("user", "q"), generation=False) + "<|im_start|>assistant\nThe answer"
+    assert ids(enc.encode(CHAT_PATH, cont)) == TOK.encode(text, add_special_tokens=False).ids
+
+
+def test_multi_part_content_and_tool_messages_render_as_vllm_flattens_them() -> None:
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "1", "content": "42"},
+    ]
+    text = (
+        "<s><|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+        '<tool_call>f {"x": 1}</tool_call><|im_end|>\n<|im_start|>tool\n42<|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
+    assert (
+        ids(engine().encode(CHAT_PATH, {"messages": msgs}))
+        == TOK.encode(text, add_special_tokens=False).ids
+    )
+
+
+def test_tools_and_template_kwargs_reach_the_template() -> None:
+    source = (
+        "{% if tools %}{{ tools | tojson }}{% endif %}{{ enable_thinking }}|{{ flavour }}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    enc = engine(source)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": tools,
+        "reasoning_effort": "low",
+        "chat_template_kwargs": {"flavour": "mint", "ignored": 1},
+    }
+    text = enc.render_chat(body)
+    assert text == (
+        '[{"type": "function", "function": {"name": "f", "description": null, '
+        '"parameters": null}}]True|mintx'
+    )
+
+
+def test_a_named_tool_use_template_serves_requests_with_tools() -> None:
+    tool_tpl = ChatTemplate("TOOLS{% for m in messages %}{{ m['content'] }}{% endfor %}", {})
+    enc = EnginePromptEncoder(TOK, ChatTemplate(CHATML, SPECIAL), tool_template=tool_tpl)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}]}
+    assert enc.render_chat(body).startswith("<s>")
+    body["tools"] = [{"type": "function", "function": {"name": "f"}}]
+    assert enc.render_chat(body) == "TOOLSx"
+
+
+def test_text_completions_get_the_tokenizers_special_tokens() -> None:
+    enc = engine()
+    got = ids(enc.encode(COMPLETIONS, {"prompt": "the cache holds the prefix"}))
+    assert got == TOK.encode("the cache holds the prefix").ids and got[0] == 0
+    bare = ids(enc.encode(COMPLETIONS, {"prompt": ["x y"], "add_special_tokens": False}))
+    assert bare == TOK.encode("x y", add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("encoder", [engine(), ApproxPromptEncoder(ApproxTokenizer())])
+def test_token_id_prompts_pass_as_they_are(encoder: Any) -> None:
+    for prompt in (list(range(40)), [list(range(40))]):
+        tokens = encoder.encode(COMPLETIONS, {"prompt": prompt})
+        assert tokens.packed == pack_token_ids(range(40)) and tokens.n_tokens == 40
+
+
+def test_cache_salt_is_carried() -> None:
+    tokens = engine().encode(COMPLETIONS, {"prompt": "x", "cache_salt": "tenant-a"})
+    assert tokens.cache_salt == "tenant-a"
+    assert engine().encode(COMPLETIONS, {"prompt": "x"}).cache_salt is None
+
+
+def test_the_segment_cache_never_changes_the_ids() -> None:
+    enc, uncached = engine(), engine(segment_cache_bytes=0)
+    assert enc.segments.exact
+    for i in range(30):
+        body = {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"q{i} " * i},
+            ]
+        }
+        assert enc.encode(CHAT_PATH, body).packed == uncached.encode(CHAT_PATH, body).packed
+    assert uncached.segments.cached_bytes == 0 and enc.segments.cached_bytes > 0
+
+
+def test_approx_encoder_is_todays_behaviour() -> None:
+    tok = ApproxTokenizer(4.0)
+    enc = ApproxPromptEncoder(tok)
+    assert not enc.exact
+    msgs = [{"role": "system", "content": "be brief " * 9}, {"role": "user", "content": "héllo"}]
+    assert ids(enc.encode(CHAT_PATH, {"messages": msgs})) == tok.encode(chat_prompt_text(msgs))
+    assert ids(enc.encode(COMPLETIONS, {"prompt": "héllo wörld"})) == tok.encode("héllo wörld")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (COMPLETIONS, {"prompt": ""}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, -1]}, "prompt"),
+        (COMPLETIONS, {"prompt": "x", "cache_salt": 3}, "cache_salt"),
+        (COMPLETIONS, {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        (CHAT_PATH, {"messages": []}, "messages"),
+        (
+            CHAT_PATH,
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1},
+            "chat_template_kwargs",
+        ),
+        (
+            CHAT_PATH,
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"tokenize": True},
+            },
+            "chat_template_kwargs",
+        ),
+        (
+            CHAT_PATH,
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            "messages",
+        ),
+    ],
+)
+def test_bad_requests_name_the_parameter(path: str, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(PromptError) as err:
+        engine().encode(path, body)
+    assert err.value.param == param and str(err.value)
+
+
+def test_template_errors_and_missing_templates_are_request_errors() -> None:
+    strict = engine("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(PromptError, match="roles must alternate"):
+        strict.encode(CHAT_PATH, {"messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(PromptError, match="no chat template"):
+        engine(None).encode(CHAT_PATH, {"messages": [{"role": "user", "content": "x"}]})
+    assert engine(None).encode(COMPLETIONS, {"prompt": "x"}).n_tokens > 0
