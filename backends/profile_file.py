@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.settings import PredictorSettings
@@ -19,6 +20,7 @@ from predictors.calibration import (
     profile_from_dict,
     profile_to_dict,
 )
+from predictors.samples import PrefillSamples
 
 
 class ProfileFileError(ValueError):
@@ -51,24 +53,61 @@ def write_profile_file(path: str | Path, profile: CalibratedProfile) -> None:
     os.replace(tmp, p)
 
 
-def load_measured_profile(settings: PredictorSettings) -> CalibratedProfile | None:
-    """``predictors.profile_file`` loaded, or None when unset."""
-    return load_profile_file(settings.profile_file) if settings.profile_file else None
+@dataclass(frozen=True)
+class MeasuredProfiles:
+    """``predictors.profile_file`` (the default profile) and ``predictors.profile_files``
+    (chosen by name), loaded."""
+
+    default: CalibratedProfile | None = None
+    by_name: Mapping[str, CalibratedProfile] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.default is not None or bool(self.by_name)
+
+    def prior(self) -> dict[str | None, PrefillSamples]:
+        """The sweeps refits start from, keyed like the learner's observations: None for
+        instances on the default profile, else the profile name they give."""
+        out: dict[str | None, PrefillSamples] = {
+            name: cal.prefill_samples for name, cal in self.by_name.items()
+        }
+        if self.default is not None:
+            out[None] = self.default.prefill_samples
+        return out
+
+
+def load_measured_profiles(settings: PredictorSettings) -> MeasuredProfiles:
+    """Every measured profile the settings name; two files with one profile name are refused."""
+    default = load_profile_file(settings.profile_file) if settings.profile_file else None
+    by_name: dict[str, CalibratedProfile] = {}
+    seen: dict[str, str] = {}
+    files = ([settings.profile_file] if default is not None else []) + list(settings.profile_files)
+    for path in files:
+        cal = default if default is not None and path == settings.profile_file else None
+        cal = cal or load_profile_file(path)
+        name = cal.profile.name
+        if name in seen and seen[name] != path:
+            raise ProfileFileError(
+                f"{path}: key 'name': profile {name!r} is also the name in {seen[name]}"
+            )
+        seen[name] = path
+        by_name[name] = cal
+    return MeasuredProfiles(default, by_name)
 
 
 def measured_predictors(
-    settings: PredictorSettings, measured: CalibratedProfile | None
+    settings: PredictorSettings, measured: MeasuredProfiles
 ) -> Callable[[str | None], InstancePredictors] | None:
-    """The Conductor's predictor factory for a measured profile (None: the Conductor's own).
+    """The Conductor's predictor factory for measured profiles (None: the Conductor's own).
     One ``InstancePredictors`` per profile name, shared by the instances that use it."""
-    if measured is None:
+    if not measured:
         return None
     cache: dict[str | None, InstancePredictors] = {}
 
     def predictors_for(profile_name: str | None) -> InstancePredictors:
         if profile_name not in cache:
+            chosen = measured.by_name.get(profile_name) if profile_name else measured.default
             cache[profile_name] = build_instance_predictors(
-                settings, profile_name, measured=measured.profile
+                settings, profile_name, measured=chosen.profile if chosen else None
             )
         return cache[profile_name]
 

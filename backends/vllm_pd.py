@@ -123,7 +123,16 @@ class VLLMDriver:
     async def _open_nixl(
         self, session: aiohttp.ClientSession, plan: ForwardPlan
     ) -> UpstreamResponse:
-        answer = await self._prefill(session, plan, vllm_prefill_body(plan.body))
+        # The prefill leg is shielded too: a leg closed while the engine is already done with
+        # it (the one token computed, the answer on its way) would leave the blocks pinned for
+        # the lease with no decode leg to release them. Cancelled, it runs to its answer in the
+        # background and its decode leg is delivered and aborted (``_release``).
+        prefill = asyncio.ensure_future(self._prefill(session, plan, vllm_prefill_body(plan.body)))
+        try:
+            answer = await asyncio.shield(prefill)
+        except asyncio.CancelledError:
+            self._release(session, prefill, plan)
+            raise
         params = transfer_params(answer)
         if params is None:
             raise UpstreamError(plan.prefill.instance_id, 502, _NO_PARAMS)
@@ -143,6 +152,27 @@ class VLLMDriver:
             _note_stranded(plan, exc)
             raise
         return upstream_of(leg, plan.decode.instance_id)
+
+    def _release(
+        self, session: aiohttp.ClientSession, prefill: asyncio.Future[Any], plan: ForwardPlan
+    ) -> None:
+        """A request cancelled during its prefill: once the prefill answers, its decode leg
+        reaches the decode engine and is aborted, which frees the prefill's blocks."""
+
+        async def finish() -> None:
+            try:
+                params = transfer_params(await prefill)
+            except (UpstreamError, asyncio.CancelledError):
+                return  # no answer: the prefill engine aborted the request itself
+            if params is None:
+                return
+            body = decode_body(plan.body, params)
+            post = post_leg(session, plan.decode, plan, body, self.client)
+            self._abandon(asyncio.ensure_future(post), plan)
+
+        task = asyncio.get_running_loop().create_task(finish())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
 
     def _abandon(self, post: asyncio.Future[Leg], plan: ForwardPlan) -> None:
         """Lets a decode leg whose request was cancelled reach its engine, then aborts it."""

@@ -109,7 +109,10 @@ async def measure(
 
 def _config(port: int, pools: str) -> str:
     return (
+        # Checks 10 s apart: three 2 s health timeouts in a row (a decode engine starved of CPU
+        # on a loaded 2-core host) would otherwise eject the only decode instance mid-run.
         f'[server]\nhost = "127.0.0.1"\nport = {port}\nrefit_interval_s = 0\n'
+        "health_interval_s = 10\n"
         '[admission]\nmode = "none"\n[replication]\nenabled = false\n'
         "[routing]\nblock_size = 32\n" + pools
     )
@@ -154,6 +157,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 measure(gw.url, args.requests, args.warmup, args.max_tokens)
             )
             results["pd_kvgate"]["decode_external_kv_tokens"] = _external_kv_tokens(decode) - before
+        except Exception:
+            print(f"kvgate log tail:\n{gw.log_tail()}", file=sys.stderr)
+            raise
         finally:
             gw.stop()
         results["pd_direct"] = asyncio.run(
@@ -172,6 +178,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             results["colocated_kvgate"] = asyncio.run(
                 measure(gw.url, args.requests, args.warmup, args.max_tokens)
             )
+        except Exception:
+            print(f"kvgate log tail:\n{gw.log_tail()}", file=sys.stderr)
+            raise
         finally:
             gw.stop()
     finally:

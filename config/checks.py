@@ -181,6 +181,8 @@ def _check_predictors(c: _Checker, p: PredictorSettings) -> None:
     c.non_empty("predictors.profile", p.profile)
     c.non_empty("predictors.prefill_model_file", p.prefill_model_file)
     c.non_empty("predictors.profile_file", p.profile_file)
+    for i, path in enumerate(p.profile_files):
+        c.non_empty(f"predictors.profile_files[{i}]", path)
     c.at_least("predictors.overhead_ms", p.overhead_ms, 0)
     for name in ("link_bandwidth_gbps", "host_load_gbps", "store_load_gbps"):
         c.positive(f"predictors.{name}", getattr(p, name))

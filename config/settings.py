@@ -165,6 +165,9 @@ class PredictorSettings:
     # A profile measured on your own engine by `kvgate profile` (JSON); replaces `profile` for
     # every instance without its own, and answers to its name in `instances[].profile`.
     profile_file: str | None = None
+    # More measured profiles (one per engine kind or model), each chosen by its name in
+    # `instances[].profile` or `models[].profile`.
+    profile_files: tuple[str, ...] = ()
     # Per-step engine overhead added to the GPU-time model (calibration README section 5).
     overhead_ms: float = 0.5
     # Network between instances (KV transfer prefill->decode and prefix pulls).

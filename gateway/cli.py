@@ -8,14 +8,14 @@ from collections.abc import Sequence
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    from backends.profile_file import ProfileFileError, load_measured_profile
+    from backends.profile_file import ProfileFileError, load_measured_profiles
     from config.loader import ConfigError, load_settings, settings_to_dict
     from routing.policies.registry import PolicyError, build_policy
 
     try:
         settings = load_settings(args.file)
         build_policy(settings.routing.policy, settings.routing.params)
-        load_measured_profile(settings.predictors)  # predictors.profile_file, if set
+        load_measured_profiles(settings.predictors)  # predictors.profile_file(s), if set
     except ConfigError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,12 @@ class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvgate_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.model_requests = Counter(
+            "kvgate_model_requests",
+            "Requests by served model (config models) and outcome",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.rejections = Counter(
             "kvgate_rejections",
             "Rejections by reason and priority",

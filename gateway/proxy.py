@@ -102,6 +102,11 @@ class CompletionHandler:
         self._upstream_error = requests.labels("upstream_error")
         self._disconnected = requests.labels("client_disconnected")
 
+    def _count(self, outcome_counter: Any, parsed: ParsedRequest, outcome: str) -> None:
+        outcome_counter.inc()
+        if parsed.info.model is not None:  # config ``models``: per-model series too
+            self.gw.metrics.model_requests.labels(parsed.info.model, outcome).inc()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
         # ASGI servers lower-case header names already
@@ -176,13 +181,13 @@ class CompletionHandler:
             decision, decision_s = self._decide(parsed, failed_on)
             if isinstance(decision, Rejection) and last_error is not None:
                 # Nowhere else to retry: the client hears what went wrong, not "no capacity".
-                self._upstream_error.inc()
+                self._count(self._upstream_error, parsed, "upstream_error")
                 await self._send_upstream_error(send, last_error, rid)
                 return
             if isinstance(decision, Rejection):
                 gw.metrics.decision.observe(decision_s)
                 gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
-                self._rejected.inc()
+                self._count(self._rejected, parsed, "rejected")
                 await send_json(send, *rejection_response(decision, rid))
                 return
             if decision.replications:  # a warm-up copy sends this prompt's prefix tokens
@@ -221,7 +226,7 @@ class CompletionHandler:
                     gw.metrics.retries.inc()
                     continue
                 record.outcome = "failed"
-                self._upstream_error.inc()
+                self._count(self._upstream_error, parsed, "upstream_error")
                 await self._send_upstream_error(send, exc, rid)
                 return
         await self._relay(parsed, upstream, decision, record, receive, send)
@@ -309,17 +314,17 @@ class CompletionHandler:
             gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
             gw.conductor.finished(rid, now, output_tokens=tokens or None)
             record.outcome = "completed"
-            self._completed.inc()
+            self._count(self._completed, parsed, "completed")
             self._learn(parsed, d, record, now)
         except (UpstreamError, OSError, asyncio.CancelledError) as exc:
             upstream.close()
             gw.conductor.failed(rid, gw.clock())
             if watch.disconnected:
                 record.outcome = "client_disconnected"
-                self._disconnected.inc()
+                self._count(self._disconnected, parsed, "client_disconnected")
             else:
                 record.outcome = "failed"
-                self._upstream_error.inc()
+                self._count(self._upstream_error, parsed, "upstream_error")
                 if isinstance(exc, UpstreamError):
                     gw.leg_failed(exc.instance_id)
                     await send_stream_error(send, parsed.stream, exc)

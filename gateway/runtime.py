@@ -30,7 +30,7 @@ from backends.http1 import Http1Client
 from backends.kv_events import KVEventSubscriber
 from backends.model_files import make_prompt_encoder
 from backends.prefix_tokens import PrefixTokenStore
-from backends.profile_file import load_measured_profile, measured_predictors
+from backends.profile_file import load_measured_profiles, measured_predictors
 from backends.prometheus import EngineLoad
 from backends.scraper import MetricsScraper
 from config.settings import InstanceSettings, PoolSettings, ReplicationSink, Role, Settings
@@ -61,9 +61,9 @@ class Gateway:
         self.settings = settings
         self.clock = clock
         # predictors.profile_file: a profile measured on the user's engine, read here (the edge).
-        self.measured_profile = load_measured_profile(settings.predictors)
+        self.measured_profiles = load_measured_profiles(settings.predictors)
         self.conductor = Conductor(
-            settings, measured_predictors(settings.predictors, self.measured_profile)
+            settings, measured_predictors(settings.predictors, self.measured_profiles)
         )
         self.metrics = GatewayMetrics()
         self.tracing = Tracing(settings.server)
@@ -83,13 +83,7 @@ class Gateway:
             settings.server.recent_decisions,
             settings.server.refit_min_samples,
             min_new_samples=settings.server.refit_min_new_samples,
-            # Refits continue from the measured sweep (observations of default-profile
-            # instances are keyed None, those naming the measured profile by its name).
-            prior=(
-                {None: m.prefill_samples, m.profile.name: m.prefill_samples}
-                if (m := self.measured_profile) is not None
-                else None
-            ),
+            prior=self.measured_profiles.prior(),  # refits continue from the sweeps
         )
         self.targets: dict[str, Target] = {}
         self.specs: dict[str, InstanceSettings] = {}

@@ -306,9 +306,12 @@ def test_nixl_decode_leg_is_delivered_even_when_cancelled_after_the_prefill() ->
     assert not pending
 
 
-def test_nixl_cancelled_during_the_prefill_never_sends_the_decode_leg() -> None:
+def _cancel_during_the_prefill(params: dict | None) -> tuple[int, list]:
+    """A NIXL request cancelled 0.1 s into a 0.3 s prefill; waits for what it left running."""
+
     async def run():
         p, d, pt, dt = await _pair()
+        p.params = params
         p.delay_s = 0.3
         driver = VLLMDriver()
         async with aiohttp.ClientSession() as s:
@@ -317,12 +320,29 @@ def test_nixl_cancelled_during_the_prefill_never_sends_the_decode_leg() -> None:
             opened.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await opened
+            while driver.pending:  # the release task, then the decode leg it starts
+                await asyncio.gather(*driver.pending)
         await p.server.close()
         await d.server.close()
-        return len(p.seen), d.seen, driver.pending
+        return len(p.seen), d.seen
 
-    prefills, dseen, pending = asyncio.run(run())
-    assert prefills == 1 and dseen == [] and not pending
+    return asyncio.run(run())
+
+
+def test_nixl_cancelled_during_the_prefill_still_releases_through_the_decode_leg() -> None:
+    """Closing the prefill leg cannot be known to abort it (the engine may already be done and
+    pinning the blocks): the prefill runs to its answer, then its decode leg is delivered and
+    aborted, which is what frees the blocks."""
+    prefills, dseen = _cancel_during_the_prefill(KV_PARAMS)
+    assert prefills == 1
+    ((_, _, dbody),) = dseen
+    assert dbody["kv_transfer_params"] == KV_PARAMS
+
+
+def test_nixl_cancelled_during_a_prefill_without_params_sends_no_decode_leg() -> None:
+    # An answer without parameters pins nothing: there is nothing to release.
+    prefills, dseen = _cancel_during_the_prefill(None)
+    assert prefills == 1 and dseen == []
 
 
 def test_driver_for_picks_by_protocol_and_topology() -> None:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from backends.profile_file import ProfileFileError, load_profile_file, write_profile_file
+from backends.profile_file import (
+    ProfileFileError,
+    load_measured_profiles,
+    load_profile_file,
+    measured_predictors,
+    write_profile_file,
+)
+from config.settings import PredictorSettings
 from gateway.cli import main as cli_main
 from predictors.calibration import SweepSample, fit_profile
 
@@ -82,3 +89,38 @@ def test_empty_profile_file_setting_is_a_config_error(tmp_path: Path, capsys) ->
     cfg.write_text('[predictors]\nprofile_file = ""\n')
     assert cli_main(["config", "check", str(cfg)]) == 2
     assert "predictors.profile_file" in capsys.readouterr().err
+
+
+def named_file(path: Path, name: str, per_token_s: float) -> Path:
+    samples = [
+        SweepSample(new_tokens=n, cached_tokens=0, seconds=0.005 + per_token_s * n)
+        for n in (64, 256, 1024, 2048)
+    ]
+    write_profile_file(path, fit_profile(samples, name=name, model="tiny"))
+    return path
+
+
+def test_profile_files_are_chosen_by_name_per_instance_or_model(tmp_path: Path) -> None:
+    settings = PredictorSettings(
+        profile_file=str(named_file(tmp_path / "a.json", "vllm-cpu", 1e-4)),
+        profile_files=(str(named_file(tmp_path / "b.json", "llama-cpu", 1e-3)),),
+    )
+    measured = load_measured_profiles(settings)
+    factory = measured_predictors(settings, measured)
+    assert factory is not None
+    assert factory(None).profile.name == "vllm-cpu"  # the default for unnamed instances
+    assert factory("llama-cpu").profile.name == "llama-cpu"
+    assert factory("llama-cpu").prefill.predict(1024, 0) > 5 * factory(None).prefill.predict(
+        1024, 0
+    )
+    assert factory("llama3-8b-h100-tp1").profile.name == "llama3-8b-h100-tp1"
+    assert set(measured.prior()) == {None, "vllm-cpu", "llama-cpu"}
+
+
+def test_two_files_with_one_profile_name_are_refused(tmp_path: Path) -> None:
+    settings = PredictorSettings(
+        profile_file=str(named_file(tmp_path / "a.json", "same", 1e-4)),
+        profile_files=(str(named_file(tmp_path / "b.json", "same", 1e-3)),),
+    )
+    with pytest.raises(ProfileFileError, match=r"b\.json: key 'name': profile 'same'"):
+        load_measured_profiles(settings)

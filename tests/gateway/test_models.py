@@ -92,6 +92,9 @@ def test_each_request_reaches_only_its_models_engines(engines: list[RunningEmula
         assert seen["beta"] == {"b0"}
         ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
         assert ids == ["alpha", "a", "beta"]
+        text = client.get("/metrics").text
+        assert 'kvgate_model_requests_total{model="alpha",outcome="completed"} 24.0' in text
+        assert 'kvgate_model_requests_total{model="beta",outcome="completed"} 12.0' in text
 
 
 def test_unknown_model_is_404_model_not_found(engines: list[RunningEmulator]) -> None:

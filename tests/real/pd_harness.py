@@ -95,11 +95,13 @@ def all_instances_eligible(gateway_url: str) -> bool:
 
 
 def pd_gateway_config(port: int, prefill: str, decode: str, kv_connector: str) -> str:
-    """kvgate in front of one prefill and one decode engine (admission off)."""
+    """kvgate in front of one prefill and one decode engine (admission off; health checks 10 s
+    apart, so three 2 s timeouts of an engine starved of CPU do not eject the only decode)."""
     return f"""
 [server]
 host = "127.0.0.1"
 port = {port}
+health_interval_s = 10
 [admission]
 mode = "none"
 [routing]
@@ -128,7 +130,8 @@ class KvgateProcess:
         cfg = tmp / f"{name}.toml"
         cfg.write_text(config)
         self.url = f"http://127.0.0.1:{port}"
-        with (tmp / f"{name}.log").open("wb") as log:
+        self.log_path = tmp / f"{name}.log"
+        with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
                 stdout=log,
@@ -144,6 +147,9 @@ class KvgateProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"kvgate on {self.url}: not every instance healthy after 30 s")
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
