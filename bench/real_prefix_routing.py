@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -193,7 +194,9 @@ async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: 
     return out
 
 
-def gateway_config(engines: list[EngineProcess], policy: str, port: int, extra: str) -> str:
+def gateway_config(
+    engines: list[EngineProcess], policy: str, port: int, extra: str, model_dir: str | None
+) -> str:
     lines = [
         "[server]",
         'host = "127.0.0.1"',
@@ -201,6 +204,7 @@ def gateway_config(engines: list[EngineProcess], policy: str, port: int, extra: 
         "refit_interval_s = 0",
         "[routing]",
         f'policy = "{policy}"',
+        *([f'model_dir = "{model_dir}"'] if model_dir else []),
         "[admission]",
         'mode = "none"',
         "[replication]",
@@ -219,15 +223,19 @@ def gateway_config(engines: list[EngineProcess], policy: str, port: int, extra: 
     return "\n".join(lines) + "\n"
 
 
-def start_engines(kind: str, n: int, tmp: Path, slots: int) -> list[EngineProcess]:
+def start_engines(
+    kind: str, n: int, tmp: Path, slots: int, extra: list[str]
+) -> list[EngineProcess]:
     engines: list[EngineProcess] = []
     try:
         for i in range(n):
             if kind == "llamacpp":
-                engines.append(start_llama_server(_port(), slots=slots, cache_ram_mib=0))
+                engines.append(
+                    start_llama_server(_port(), slots=slots, cache_ram_mib=0, extra_args=extra)
+                )
             else:
                 ep = f"ipc://{tmp}/kv-{i}.sock"
-                args = ["--enable-prompt-tokens-details"]
+                args = ["--enable-prompt-tokens-details", *extra]
                 engines.append(start_vllm(_port(), kv_events_endpoint=ep, extra_args=args))
     except BaseException:
         for e in engines:
@@ -237,12 +245,16 @@ def start_engines(kind: str, n: int, tmp: Path, slots: int) -> list[EngineProces
 
 
 def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -> dict[str, Any]:
-    engines = start_engines(args.engine, args.instances, tmp, args.slots)
+    extra = shlex.split(args.engine_args)
+    engines = start_engines(args.engine, args.instances, tmp, args.slots, extra)
     gw: subprocess.Popen[bytes] | None = None
     try:
         port = _port()
         cfg = tmp / f"kvgate-{policy}.toml"
-        cfg.write_text(gateway_config(engines, policy, port, args.extra_config))
+        # vLLM: kvgate tokenizes like the engine (its model directory), so KV events match.
+        first = engines[0].model_dir
+        model_dir = str(first) if args.engine == "vllm" and first is not None else None
+        cfg.write_text(gateway_config(engines, policy, port, args.extra_config, model_dir))
         log = (tmp / f"kvgate-{policy}.log").open("wb")
         code = "import sys; from gateway.cli import main; sys.exit(main())"
         gw = subprocess.Popen(
@@ -295,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=600.0, help="time cap per policy run")
     p.add_argument("--policies", default="kvcache_centric,round_robin,least_load")
+    p.add_argument("--engine-args", default="", help="extra engine arguments, shell-quoted")
     p.add_argument("--extra-config", default="", help="TOML lines added to the gateway config")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
