@@ -442,8 +442,10 @@ class Gateway:
         interval = self.settings.server.scrape_interval_s
         while not self._stop.is_set():
             loads: dict[str, EngineLoad | None] = {}
-            with contextlib.suppress(Exception):
+            try:
                 loads = await self.scraper.scrape_all()
+            except Exception:  # one bad scrape must not stop the loop; say so, once a round
+                log.exception("metrics scrape round failed")
             self._apply_loads(loads)
             self._publish_gauges()
             with contextlib.suppress(TimeoutError):
