@@ -22,7 +22,7 @@ from itertools import repeat
 from typing import Any
 
 from routing.prompt import PromptError
-from routing.prompt_encoder import CHAT_PATH, PromptEncoder, completion_prompt
+from routing.prompt_encoder import CHAT_PATH, PromptTokens, completion_prompt
 from routing.tokenizer import unpack_token_ids
 
 _TOKEN_BYTES = 4  # packed ids are uint32
@@ -131,18 +131,17 @@ class PrefixTokenStore:
         path: str,
         body: Mapping[str, Any],
         block_hashes: Sequence[int],
-        encoder: PromptEncoder,
+        tokens: PromptTokens,
+        exact: bool,
     ) -> bool:
-        """Keep a parsed request's prompt if its token ids are the engine's: an engine-exact
-        encoder, or a completion whose prompt is token ids. Returns whether it was kept."""
+        """Keep a parsed request's prompt (``tokens``, as the gateway encoded it) if its token
+        ids are the engine's: ``exact`` (an engine-exact encoder), or a completion whose prompt
+        is token ids. Returns whether it was kept."""
         if not block_hashes:
             return False
         try:
-            if not encoder.exact and (
-                path == CHAT_PATH or isinstance(completion_prompt(body), str)
-            ):
+            if not exact and (path == CHAT_PATH or isinstance(completion_prompt(body), str)):
                 return False  # approximate ids: a warm-up with them would cache nothing useful
-            tokens = encoder.encode(path, body)
         except PromptError:
             return False
         model = body.get("model")

@@ -16,7 +16,7 @@ from config.settings import Settings
 from gateway.models import ModelRoute
 from routing.hashing import BlockHasher
 from routing.prompt import PromptError
-from routing.prompt_encoder import CHAT_PATH, PromptEncoder
+from routing.prompt_encoder import CHAT_PATH, PromptEncoder, PromptTokens
 from routing.types import RequestInfo
 
 COMPLETIONS = "/v1/completions"
@@ -55,17 +55,17 @@ def error_body(message: str, type_: str, *, param: str | None = None, code: str 
 
 def prompt_blocks(
     path: str, body: Mapping[str, Any], encoder: PromptEncoder, hasher: BlockHasher
-) -> tuple[tuple[int, ...], int]:
-    """``(block hashes, prompt token count)`` of the request's prompt."""
+) -> tuple[tuple[int, ...], PromptTokens]:
+    """``(block hashes, prompt tokens)`` of the request's prompt."""
     try:
         tokens = encoder.encode(path, body)
     except PromptError as exc:
         raise BadRequest(str(exc), exc.param) from None
     if tokens.cache_salt is None:
-        return hasher.hash_packed(tokens.packed), tokens.n_tokens
+        return hasher.hash_packed(tokens.packed), tokens
     # A salted prompt's blocks live in their own key space, as in the engine's cache.
     root = hasher.namespace_root(None, tokens.cache_salt)
-    return hasher.hash_packed(tokens.packed, root), tokens.n_tokens
+    return hasher.hash_packed(tokens.packed, root), tokens
 
 
 def _positive_int(body: Mapping[str, Any], key: str) -> int | None:
@@ -95,6 +95,10 @@ class ParsedRequest:
     info: RequestInfo
     body: dict[str, Any]
     stream: bool
+    # The prompt as encoded for hashing (kept: a warm-up copy sends these ids) and whether
+    # the encoder was engine-exact.
+    tokens: PromptTokens | None = None
+    exact: bool = False
 
 
 def parse_request(
@@ -125,7 +129,8 @@ def parse_request(
     if models:
         route = served_route(body, models)
         encoder, hasher, model = route.encoder, route.hasher, route.name
-    blocks, n_tokens = prompt_blocks(path, body, encoder, hasher)
+    blocks, tokens = prompt_blocks(path, body, encoder, hasher)
+    n_tokens = tokens.n_tokens
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     priority = headers.get("x-kvgate-priority")
     if priority is not None:
@@ -147,4 +152,4 @@ def parse_request(
         output_key=blocks[0] if blocks else None,
         model=model,
     )
-    return ParsedRequest(info, body, stream)
+    return ParsedRequest(info, body, stream, tokens, encoder.exact)

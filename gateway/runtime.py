@@ -240,10 +240,9 @@ class Gateway:
     def remember_prompt(self, path: str, parsed: ParsedRequest) -> None:
         """A request whose decision carries replication commands: keep its prompt's token ids,
         which a warm-up copy of its prefix sends (commands name blocks, not tokens)."""
-        if self.prefix_tokens is not None:
-            encoder = self.model_routes.get(parsed.info.model or "", self.default_route).encoder
+        if self.prefix_tokens is not None and parsed.tokens is not None:
             self.prefix_tokens.remember_request(
-                path, parsed.body, parsed.info.block_hashes, encoder
+                path, parsed.body, parsed.info.block_hashes, parsed.tokens, parsed.exact
             )
 
     def _build_sink(self, kind: ReplicationSink):

@@ -120,13 +120,18 @@ def test_requests_are_kept_only_with_the_engines_token_ids() -> None:
     ids = {"model": "tiny", "prompt": list(range(300, 316)), "cache_salt": "u1"}
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi" * 40}]}
     completions, chat_path = "/v1/completions", "/v1/chat/completions"
+
+    def keep(path: str, body: dict, hashes: tuple[int, ...], encoder) -> bool:
+        tokens = encoder.encode(path, body)  # what parse_request hands on
+        return store.remember_request(path, body, hashes, tokens, encoder.exact)
+
     # Approximate ids would warm the engine's cache with tokens no request ever sends.
-    assert not store.remember_request(completions, text, HASHER.hash_tokens([1] * 16), approx)
-    assert not store.remember_request(chat_path, chat, HASHER.hash_tokens([1] * 16), approx)
+    assert not keep(completions, text, HASHER.hash_tokens([1] * 16), approx)
+    assert not keep(chat_path, chat, HASHER.hash_tokens([1] * 16), approx)
     assert len(store) == 0
     # Token-id prompts are the engine's ids whatever the encoder.
     id_hashes = HASHER.hash_tokens(ids["prompt"])
-    assert store.remember_request(completions, ids, id_hashes, approx)
+    assert keep(completions, ids, id_hashes, approx)
     found = store.lookup(id_hashes[-1])
     assert found is not None
     assert (found.token_ids(), found.model, found.cache_salt) == (ids["prompt"], "tiny", "u1")
@@ -134,7 +139,8 @@ def test_requests_are_kept_only_with_the_engines_token_ids() -> None:
     exact = _ExactEncoder()
     n = len(exact.encode(chat_path, chat).packed) // 4
     chat_hashes = HASHER.hash_tokens(list(range(n)))
-    assert store.remember_request(chat_path, chat, chat_hashes, exact)
+    assert keep(chat_path, chat, chat_hashes, exact)
     assert store.lookup(chat_hashes[-1]) is not None
-    # A body the encoder refuses is skipped, not raised.
-    assert not store.remember_request(completions, {"prompt": ""}, id_hashes, approx)
+    # A body whose prompt is not a prompt is skipped, not raised.
+    tokens = approx.encode(completions, ids)
+    assert not store.remember_request(completions, {"prompt": ""}, id_hashes, tokens, False)
