@@ -24,10 +24,7 @@ import argparse
 import asyncio
 import json
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from bench.kvgate_serve import free_port, kvgate_serve
 
 VARIANTS = ("profile", "profile-refit", "default", "default-refit")
 ADMIN_TOKEN = "calibration-bench"  # loopback only, for /admin/predictors (refit count)
@@ -202,41 +201,11 @@ def summarise(obs: list[Observation]) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvgate serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
-
-
 def run_variant(args: argparse.Namespace, variant: str, cases: list[Case], tmp: Path):
-    port = args.port or _free_port()
+    port = args.port or free_port()
     cfg = tmp / f"{variant}.toml"
     cfg.write_text(gateway_config(args, variant, port))
-    log = (tmp / f"{variant}.log").open("wb")
-    code = "import sys; from gateway.cli import main; sys.exit(main())"
-    gw = subprocess.Popen(
-        [sys.executable, "-c", code, "serve", "--config", str(cfg), "--log-level", "warning"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(f"{url}/health", gw, 30.0)
+    with kvgate_serve(cfg, port, tmp / f"{variant}.log") as url:
         t0 = time.perf_counter()
         obs, errors = asyncio.run(drive(url, args, cases))
         req = urllib.request.Request(
@@ -244,32 +213,24 @@ def run_variant(args: argparse.Namespace, variant: str, cases: list[Case], tmp: 
         )
         with urllib.request.urlopen(req, timeout=5) as resp:
             learner = json.loads(resp.read()) if resp.status == 200 else {}
-        return {
-            "variant": variant,
-            "requests": len(obs),
-            "errors": errors,
-            "wall_s": round(time.perf_counter() - t0, 1),
-            "refits": learner.get("refits"),
-            **summarise(obs),
-            "samples": [
-                [
-                    r.kind,
-                    r.prompt_tokens,
-                    r.cached_tokens,
-                    round(r.predicted_ms, 1),
-                    round(r.observed_ms, 1),
-                ]
-                for r in obs
-            ],
-        }
-    finally:
-        gw.send_signal(signal.SIGTERM)
-        try:
-            gw.wait(10)
-        except subprocess.TimeoutExpired:
-            gw.kill()
-            gw.wait()
-        log.close()
+    return {
+        "variant": variant,
+        "requests": len(obs),
+        "errors": errors,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "refits": learner.get("refits"),
+        **summarise(obs),
+        "samples": [
+            [
+                r.kind,
+                r.prompt_tokens,
+                r.cached_tokens,
+                round(r.predicted_ms, 1),
+                round(r.observed_ms, 1),
+            ]
+            for r in obs
+        ],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

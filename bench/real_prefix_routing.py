@@ -22,9 +22,6 @@ import asyncio
 import json
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,15 +32,10 @@ from typing import Any
 
 import aiohttp
 
+from bench.kvgate_serve import free_port, kvgate_serve
 from tests.real.engines import EngineProcess, start_llama_server, start_vllm, stop_engine
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "zu", "an", "el", "or", "is")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,12 +223,12 @@ def start_engines(
         for i in range(n):
             if kind == "llamacpp":
                 engines.append(
-                    start_llama_server(_port(), slots=slots, cache_ram_mib=0, extra_args=extra)
+                    start_llama_server(free_port(), slots=slots, cache_ram_mib=0, extra_args=extra)
                 )
             else:
                 ep = f"ipc://{tmp}/kv-{i}.sock"
                 args = ["--enable-prompt-tokens-details", *extra]
-                engines.append(start_vllm(_port(), kv_events_endpoint=ep, extra_args=args))
+                engines.append(start_vllm(free_port(), kv_events_endpoint=ep, extra_args=args))
     except BaseException:
         for e in engines:
             stop_engine(e)
@@ -247,51 +239,20 @@ def start_engines(
 def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -> dict[str, Any]:
     extra = shlex.split(args.engine_args)
     engines = start_engines(args.engine, args.instances, tmp, args.slots, extra)
-    gw: subprocess.Popen[bytes] | None = None
     try:
-        port = _port()
+        port = free_port()
         cfg = tmp / f"kvgate-{policy}.toml"
         # vLLM: kvgate tokenizes like the engine (its model directory), so KV events match.
         first = engines[0].model_dir
         model_dir = str(first) if args.engine == "vllm" and first is not None else None
         cfg.write_text(gateway_config(engines, policy, port, args.extra_config, model_dir))
-        log = (tmp / f"kvgate-{policy}.log").open("wb")
-        code = "import sys; from gateway.cli import main; sys.exit(main())"
-        gw = subprocess.Popen(
-            [sys.executable, "-c", code, "serve", "--config", str(cfg), "--log-level", "warning"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/health", gw, 30.0)
-        res = asyncio.run(drive(url, engines[0].model, wl, args.concurrency, args.budget_s, policy))
+        with kvgate_serve(cfg, port, tmp / f"kvgate-{policy}.log") as url:
+            model = engines[0].model
+            res = asyncio.run(drive(url, model, wl, args.concurrency, args.budget_s, policy))
         return res.summary()
     finally:
-        if gw is not None:
-            gw.send_signal(signal.SIGTERM)
-            try:
-                gw.wait(10)
-            except subprocess.TimeoutExpired:
-                gw.kill()
         for e in engines:
             stop_engine(e)
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvgate exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,60 @@
+"""``kvgate serve`` as a child process for benchmarks: started on a config, waited for until
+``/health`` answers, ended by PID (SIGTERM, then SIGKILL) however the benchmark exits."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_MAIN = "import sys; from gateway.cli import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvgate serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+@contextmanager
+def kvgate_serve(config: Path, port: int, log: Path, timeout_s: float = 30.0) -> Iterator[str]:
+    """Run ``kvgate serve --config config`` (which listens on ``port``); yields its base URL."""
+    with log.open("wb") as out:
+        argv = [sys.executable, "-c", _MAIN, "serve", "--config", str(config)]
+        proc = subprocess.Popen(
+            [*argv, "--log-level", "warning"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(f"{url}/health", proc, timeout_s)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
