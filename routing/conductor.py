@@ -12,14 +12,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
 
-from config.settings import AdmissionMode, DecodePlacement, InstanceSettings, Role, Settings
+from config.settings import InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.output_length import OutputLengthPredictor
 from routing.admission import Admission, EffectiveSLO, resolve_slo
 from routing.cache_feedback import CacheFeedback, assess
 from routing.cluster import DecodeWork, InstanceState
+from routing.decode_placement import place_decode
 from routing.estimates import PrefillOption, TTFTEstimator
 from routing.hotspot import HotspotPlanner
 from routing.kv_index import KVIndex
@@ -38,7 +38,6 @@ from routing.types import (
 )
 
 PredictorFactory = Callable[[str | None], InstancePredictors]
-_COMMITTED = attrgetter("committed_key")
 
 
 @dataclass(slots=True)
@@ -249,7 +248,14 @@ class Conductor:
             option = estimator.local(option.instance)
         prefill = option.instance
 
-        decode, tbt_now, tbt_check, retry_s = self._place_decode(ctx, prefill, option)
+        decode, tbt_now, tbt_check, retry_s = place_decode(
+            ctx,
+            prefill,
+            option,
+            self.policy,
+            self.settings.routing.decode_placement,
+            self.admission.mode,
+        )
         if decode is None:
             return self._reject_capacity(req, slo, option)
         rejection = self.admission.check(req, slo, option.ttft_s, tbt_check, retry_s)
@@ -280,54 +286,6 @@ class Conductor:
             replications=replications,
             pull_source=option.pull_source,
         )
-
-    def _place_decode(
-        self, ctx: PlacementContext, prefill: InstanceState, option: PrefillOption
-    ) -> tuple[InstanceState | None, float, float, float]:
-        """Pick the decode instance; returns (instance, TBT now, TBT to check, retry hint)."""
-        req = ctx.request
-        need = req.prompt_tokens + ctx.predicted_output
-        decode_pool = ctx.decode_candidates
-        if not decode_pool:  # colocated: decode where the prefill ran
-            tbt = prefill.tbt_now(1, req.prompt_tokens)
-            return prefill, tbt, tbt, self._retry_hint(prefill, ctx.now)
-        chosen = self.policy.select_decode(ctx)
-        if chosen is not None:
-            ranked = [(chosen.tbt_now(1, req.prompt_tokens), 0, chosen)]
-        else:
-            p = req.prompt_tokens
-            fits = [
-                d
-                for d in decode_pool
-                if d.reserved_tokens + need <= d.capacity_tokens and d.batch < d.max_batch
-            ]
-            if self.settings.routing.decode_placement is DecodePlacement.COMMITTED:
-                ranked = [(0.0, 0, min(fits, key=_COMMITTED))] if fits else []
-            else:
-                ranked = (
-                    [(0.0, 0, min(fits, key=lambda d: (d.tbt_now(1, p), d.bit_order)))]
-                    if fits
-                    else []
-                )
-            if not ranked:
-                if self.admission.mode is not AdmissionMode.NONE:
-                    return None, 0.0, 0.0, 0.0
-                ranked = [(d.tbt_now(1, req.prompt_tokens), 0, d) for d in decode_pool[:1]]
-        d = ranked[0][2]
-        tbt = d.tbt_now(1, req.prompt_tokens)
-        if self.admission.mode is not AdmissionMode.PREDICTIVE:
-            return d, tbt, tbt, self._retry_hint(d, ctx.now)  # early: today's load
-        # Predictive: the load forecast for when the request gets there. The instance is the
-        # committed-load choice; picking the best of several forecasts would select for the
-        # most optimistic forecast error (more late rejections), so only one is forecast.
-        at = ctx.now + option.ttft_s + d.predictors.link.time(req.prompt_tokens)
-        fc = d.forecast(at, ctx.now, req.prompt_tokens).tbt_s
-        return d, tbt, fc, self._retry_hint(d, ctx.now)
-
-    @staticmethod
-    def _retry_hint(inst: InstanceState, now: float) -> float:
-        nxt = inst.next_finish_s(now)
-        return max(nxt - now, 0.0) if nxt is not None else 1.0
 
     def _plan_replication(
         self, req: RequestInfo, ctx: PlacementContext, option: PrefillOption, now: float
