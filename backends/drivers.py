@@ -15,7 +15,6 @@ Reference: shared/reference/peer-routers.md sections 6.1, 6.2 and 9.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -47,7 +46,6 @@ __all__ = [
     "UpstreamError",
     "UpstreamResponse",
     "VLLMDriver",
-    "close_quietly",
     "driver_for",
     "sglang_bodies",
     "vllm_prefill_body",
@@ -132,9 +130,3 @@ def driver_for(
     if protocol is WireProtocol.SGLANG:
         return SGLangDriver(client=client)
     return VLLMDriver(client)
-
-
-async def close_quietly(resp: UpstreamResponse | None) -> None:
-    if resp is not None:
-        with contextlib.suppress(Exception):
-            resp.close()

@@ -3,6 +3,12 @@
 The two are deliberately separate signals: the breaker reacts to failures of real traffic
 within seconds, the health checker catches an engine that is down while it gets no traffic.
 The gateway marks an instance routable only when both agree.
+
+A refused connection is not like a slow answer: nothing listens on the port (the engine died
+or was killed), so it ejects at once, both as a probe result and as a request's failure
+(``CircuitBreaker.trip``). A probe that times out counts as one failure, and not even that
+when real traffic to the instance succeeded meanwhile: a busy engine answers ``/health``
+late (vLLM on CPU under load) but is alive.
 """
 
 from __future__ import annotations
@@ -94,6 +100,15 @@ class CircuitBreaker:
                 self._open(now)
         # In OPEN: stragglers must not extend the open period, or it would never end.
 
+    def recent_failures(self, now: float) -> int:
+        """Failures counted inside the window (CLOSED; an open breaker has cleared them)."""
+        return sum(1 for t in self._failures if now - t <= self.config.window_s)
+
+    def trip(self, now: float) -> None:
+        """Open now, whatever the count (the engine refused a connection: it is down)."""
+        if self.state_at(now) is not BreakerState.OPEN:
+            self._open(now)
+
     def _open(self, now: float) -> None:
         self._state = BreakerState.OPEN
         self._opened_at = now
@@ -109,6 +124,7 @@ class TargetHealth:
     consecutive_successes: int = 0
     last_checked_s: float | None = None
     last_error: str | None = None
+    last_alive_s: float = float("-inf")  # last time real traffic got an answer from it
 
 
 class HealthChecker:
@@ -117,7 +133,9 @@ class HealthChecker:
     The first result decides an unknown target at once (traffic should not wait several
     intervals for a new instance); after that ``unhealthy_after`` consecutive failures or
     ``healthy_after`` consecutive successes are needed to flip, so one slow answer does not
-    flap an instance in and out of the pool. Defaults (SMG): 60 s interval, 5 s timeout.
+    flap an instance in and out of the pool. A refused connection flips at once; a timeout is
+    forgiven when real traffic got an answer from the instance since the previous probe.
+    Defaults (SMG): 60 s interval, 5 s timeout.
     """
 
     def __init__(
@@ -147,7 +165,50 @@ class HealthChecker:
         self._path = path
         self._targets: dict[str, str] = {}
         self._health: dict[str, TargetHealth] = {}
+        self._probing: dict[str, asyncio.Task[None]] = {}  # probe_now, one per instance
         self.set_targets(targets)
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    def set_timing(self, interval_s: float, timeout_s: float) -> None:
+        """New interval and timeout (a configuration reload), from the next round on."""
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError("interval_s and timeout_s must be positive")
+        self.interval_s, self._timeout_s = interval_s, timeout_s
+
+    def mark_alive(self, instance_id: str, now: float) -> None:
+        """Real traffic got an answer from the instance (a late probe is then not held
+        against it)."""
+        h = self._health.get(instance_id)
+        if h is not None:
+            h.last_alive_s = now
+
+    def probe_now(self, instance_id: str) -> asyncio.Task[None] | None:
+        """Probe one instance at once, off the schedule (a request's leg broke: is the engine
+        gone?); at most one such probe per instance at a time. Needs a running loop."""
+        url = self._targets.get(instance_id)
+        if url is None:
+            return None
+        task = self._probing.get(instance_id)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self._probe_one(instance_id, url))
+            self._probing[instance_id] = task
+        return task
+
+    def cancel_probes(self) -> None:
+        """Stop the off-schedule probes (shutdown)."""
+        for task in self._probing.values():
+            task.cancel()
+        self._probing.clear()
+
+    async def _probe_one(self, instance_id: str, url: str) -> None:
+        started = self._clock()
+        error, refused = await self._probe(url)
+        h = self._health.get(instance_id)
+        if h is not None:
+            self._apply(instance_id, h, error, self._clock(), refused=refused, started=started)
 
     @property
     def status(self) -> Mapping[str, TargetHealth]:
@@ -176,14 +237,15 @@ class HealthChecker:
     async def check_once(self) -> dict[str, bool]:
         """Probe every target concurrently; returns the (post-hysteresis) health of each."""
         targets = dict(self._targets)  # snapshot: set_targets may run while we await
+        started = self._clock()
         results = await asyncio.gather(*(self._probe(url) for url in targets.values()))
         now = self._clock()
         out: dict[str, bool] = {}
-        for iid, error in zip(targets, results, strict=True):
+        for iid, (error, refused) in zip(targets, results, strict=True):
             h = self._health.get(iid)
             if h is None:  # removed while probing
                 continue
-            self._apply(iid, h, error, now)
+            self._apply(iid, h, error, now, refused=refused, started=started)
             out[iid] = bool(h.healthy)
         return out
 
@@ -198,21 +260,38 @@ class HealthChecker:
                 with contextlib.suppress(TimeoutError):  # the normal case: a full interval
                     await asyncio.wait_for(stop.wait(), timeout=remaining)
 
-    async def _probe(self, base_url: str) -> str | None:
-        """``None`` when healthy, else why not."""
+    async def _probe(self, base_url: str) -> tuple[str | None, bool]:
+        """(``None`` when healthy, else why not; whether the connection was refused)."""
         try:
             async with asyncio.timeout(self._timeout_s):
                 async with self._session.get(base_url + self._path) as resp:
                     await resp.read()  # drain so the connection can be reused
-                    return None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+                    return (None if 200 <= resp.status < 300 else f"HTTP {resp.status}"), False
         except TimeoutError:
-            return "timeout"
+            return f"timeout ({self._timeout_s:g} s)", False
         except aiohttp.ClientError as exc:
-            return f"{type(exc).__name__}: {exc}"
+            refused = isinstance(getattr(exc, "os_error", None), ConnectionRefusedError)
+            return f"{type(exc).__name__}: {exc}", refused
 
-    def _apply(self, iid: str, h: TargetHealth, error: str | None, now: float) -> None:
+    def _apply(
+        self,
+        iid: str,
+        h: TargetHealth,
+        error: str | None,
+        now: float,
+        *,
+        refused: bool = False,
+        started: float | None = None,
+    ) -> None:
         h.last_checked_s = now
         h.last_error = error
+        if (
+            error is not None
+            and error.startswith("timeout")
+            and started is not None
+            and h.last_alive_s >= started - self.interval_s
+        ):
+            return  # slow to answer the probe, but it answered real traffic: busy, not down
         if error is None:
             h.consecutive_successes += 1
             h.consecutive_failures = 0
@@ -224,7 +303,7 @@ class HealthChecker:
             h.consecutive_failures += 1
             h.consecutive_successes = 0
             flip = h.healthy is None or (
-                h.healthy and h.consecutive_failures >= self._unhealthy_after
+                h.healthy and (refused or h.consecutive_failures >= self._unhealthy_after)
             )
             new = False
         if not flip:

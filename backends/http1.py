@@ -29,6 +29,10 @@ _HIGH_WATER = 256 * 1024
 _MAX_IDLE = 512  # idle connections kept per target
 
 
+class EngineSilent(TimeoutError):
+    """The connection is up but no byte came for the read timeout (not a connect timeout)."""
+
+
 class _Conn(asyncio.Protocol):
     __slots__ = ("closed", "keep_alive", "parser", "pool", "resp", "transport", "used")
 
@@ -208,7 +212,7 @@ class Response:
         if self._paused:  # we stopped reading (slow consumer): not the engine's fault
             idle = 0.0
         if idle >= self._timeout_s:
-            self.fail(TimeoutError(f"no data from the engine for {self._timeout_s:g} s"))
+            self.fail(EngineSilent(f"no data from the engine for {self._timeout_s:g} s"))
             self.conn.abort()
         else:
             self._timer = self.loop.call_later(self._timeout_s - idle, self._check_timeout)

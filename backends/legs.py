@@ -4,7 +4,8 @@ streamed back to the client.
 A leg is posted through the gateway's lean ``Http1Client`` (backends/http1.py) when one is
 given and the URL is plain http, else through an aiohttp session. An engine's HTTP error and a
 transport failure are both an ``UpstreamError``: ``status`` tells them apart (None = transport,
-which the proxy may retry elsewhere while nothing has reached the client).
+which the proxy may retry elsewhere while nothing has reached the client); ``kind`` says which
+transport failure it was (``Failure``), because each is handled differently.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,15 +46,59 @@ class ForwardPlan:
     raw_body: bytes | None = None  # ``body`` as the client sent it, forwarded when unchanged
 
 
+class Failure(StrEnum):
+    """What went wrong with a leg; the proxy and the health books act on it."""
+
+    REFUSED = "refused"  # nothing listens on the engine's port: eject the instance at once
+    CONNECT = "connect"  # no connection or no answer for another reason: retry elsewhere
+    SILENT = "silent"  # the engine took the request, then sent nothing for the silence timeout
+    BROKEN = "broken"  # the answer broke off part-way
+    HTTP = "http"  # the engine answered with an HTTP error (``status`` says which)
+
+
 class UpstreamError(Exception):
     """An engine leg failed. ``status`` is None for transport errors (retryable elsewhere if
-    nothing reached the client); ``instance_id`` names the leg's engine."""
+    nothing reached the client, unless the engine went silent); ``instance_id`` names the
+    leg's engine; ``kind`` which failure it was."""
 
-    def __init__(self, instance_id: str, status: int | None, message: str, body: bytes = b""):
+    def __init__(
+        self,
+        instance_id: str,
+        status: int | None,
+        message: str,
+        body: bytes = b"",
+        kind: Failure | None = None,
+    ):
         super().__init__(f"{instance_id}: {message}")
         self.instance_id = instance_id
         self.status = status
         self.body = body
+        if kind is None:
+            kind = Failure.HTTP if status is not None else Failure.CONNECT
+        self.kind = kind
+
+
+def connect_failure(exc: BaseException) -> Failure:
+    """The kind of a failure to get an answer's headers (refused, silent or other)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return Failure.REFUSED
+    os_error = getattr(exc, "os_error", None)  # aiohttp.ClientConnectorError wraps it
+    if isinstance(os_error, ConnectionRefusedError):
+        return Failure.REFUSED
+    if isinstance(exc, http1.EngineSilent | aiohttp.SocketTimeoutError):  # not a connect timeout
+        return Failure.SILENT
+    return Failure.CONNECT
+
+
+def stream_failure(exc: BaseException) -> Failure:
+    """The kind of a failure once the answer's headers are in: a read timeout is silence."""
+    return Failure.SILENT if isinstance(exc, TimeoutError) else Failure.BROKEN
+
+
+def stream_error(instance_id: str, exc: BaseException, what: str = "stream broke") -> UpstreamError:
+    kind = stream_failure(exc)
+    message = f"no data for the silence timeout ({exc})" if kind is Failure.SILENT else what
+    return UpstreamError(instance_id, None, f"{message}: {exc!r}", kind=kind)
 
 
 class UpstreamResponse:
@@ -75,14 +121,14 @@ class UpstreamResponse:
             async for chunk in self._resp.content.iter_any():
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(self.instance_id, None, f"stream broke: {exc!r}") from exc
+            raise stream_error(self.instance_id, exc) from exc
 
     async def next_chunk(self) -> bytes | None:
         """What arrived since the last call; None at the end of the body."""
         try:
             chunk = await self._resp.content.readany()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(self.instance_id, None, f"stream broke: {exc!r}") from exc
+            raise stream_error(self.instance_id, exc) from exc
         return chunk or None
 
     async def next_piece(self) -> tuple[bytes, bool] | None:
@@ -104,7 +150,7 @@ class UpstreamResponse:
         try:
             return await self._resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(self.instance_id, None, f"read failed: {exc!r}") from exc
+            raise stream_error(self.instance_id, exc, "read failed") from exc
 
     def close(self) -> None:
         """Abort whatever is still open (client left, or the answer is complete)."""
@@ -136,7 +182,7 @@ class Http1UpstreamResponse(UpstreamResponse):
         try:
             return await self._resp.next_chunk()  # type: ignore[attr-defined]
         except OSError as exc:
-            raise UpstreamError(self.instance_id, None, f"stream broke: {exc!r}") from exc
+            raise stream_error(self.instance_id, exc) from exc
 
     def piece_reader(self) -> Callable[[], Awaitable[tuple[bytes, bool] | None]]:
         # The connection's own reader, one coroutine frame less per chunk.
@@ -150,7 +196,7 @@ class Http1UpstreamResponse(UpstreamResponse):
         try:
             return await self._resp.read()
         except OSError as exc:
-            raise UpstreamError(self.instance_id, None, f"read failed: {exc!r}") from exc
+            raise stream_error(self.instance_id, exc, "read failed") from exc
 
 
 Leg = aiohttp.ClientResponse | http1.Response
@@ -187,7 +233,9 @@ async def post_leg(
                 split[0], split[1], split[2] + plan.path, _encode(body), headers, plan.timeout_s
             )
         except (OSError, ValueError) as exc:
-            raise UpstreamError(target.instance_id, None, f"connect failed: {exc!r}") from exc
+            kind = connect_failure(exc)
+            what = "engine silent" if kind is Failure.SILENT else "connect failed"
+            raise UpstreamError(target.instance_id, None, f"{what}: {exc!r}", kind=kind) from exc
         if resp.status >= 400:
             try:
                 payload = await resp.read()
@@ -204,7 +252,9 @@ async def post_leg(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=plan.timeout_s),
         )
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise UpstreamError(target.instance_id, None, f"connect failed: {exc!r}") from exc
+        kind = connect_failure(exc)
+        what = "engine silent" if kind is Failure.SILENT else "connect failed"
+        raise UpstreamError(target.instance_id, None, f"{what}: {exc!r}", kind=kind) from exc
     if aresp.status >= 400:
         payload = await aresp.read()
         aresp.release()

@@ -39,6 +39,7 @@ class PrefixTokens:
     packed: bytes  # token ids, little-endian uint32 (routing.tokenizer.pack_token_ids)
     model: str | None  # the ``model`` field of the request it came from
     cache_salt: str | None  # vLLM's cache namespace: the warm-up must carry it to hit the same
+    block_hashes: tuple[int, ...] = ()  # kvgate's keys of the prefix's blocks, from the first
 
     @property
     def n_tokens(self) -> int:
@@ -159,8 +160,10 @@ class PrefixTokenStore:
         if entry is None:
             return None
         self._entries.move_to_end(entry.seq)
-        end = (entry.hashes.index(block_hash) + 1) * self.block_size * _TOKEN_BYTES
-        return PrefixTokens(entry.packed[:end], entry.model, entry.cache_salt)
+        n_blocks = entry.hashes.index(block_hash) + 1
+        end = n_blocks * self.block_size * _TOKEN_BYTES
+        hashes = tuple(entry.hashes[:n_blocks])
+        return PrefixTokens(entry.packed[:end], entry.model, entry.cache_salt, hashes)
 
     def _evict_oldest(self) -> None:
         _, entry = self._entries.popitem(last=False)

@@ -132,6 +132,8 @@ class WarmupSink:
         timeout_s: float = 30.0,
         max_retries: int = 2,
         poll_s: float = 0.05,
+        pin: Callable[[str, str, Sequence[int]], int | None] | None = None,
+        unpin: Callable[[str], None] | None = None,
     ) -> None:
         self._session = session
         self._cluster = cluster
@@ -140,6 +142,9 @@ class WarmupSink:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.poll_s = poll_s  # spare-capacity and confirmation polling, and retry back-off
+        # llama.cpp: the slot the warm-up fills (the one later requests for the prefix wait for)
+        self._pin = pin
+        self._unpin = unpin
 
     async def execute(self, cmd: ReplicationCommand) -> ReplicationResult:
         start = time.perf_counter()
@@ -199,16 +204,22 @@ class WarmupSink:
         self, url: str, cmd: ReplicationCommand, prefix: PrefixTokens
     ) -> _Failure | None:
         """One warm-up request; None when the engine answered that it processed the prefix."""
+        rid = f"kvgate-warmup-{cmd.command_id}"
+        body = warmup_body(prefix)
+        slot = self._pin(rid, cmd.destination, prefix.block_hashes) if self._pin else None
+        if slot is not None:
+            body["id_slot"] = slot
         try:
             async with self._session.post(
-                url + "/v1/completions",
-                json=warmup_body(prefix),
-                headers={"X-Request-Id": f"kvgate-warmup-{cmd.command_id}"},
+                url + "/v1/completions", json=body, headers={"X-Request-Id": rid}
             ) as resp:
                 payload = await resp.json(content_type=None)
                 status = resp.status
         except (aiohttp.ClientError, ValueError) as exc:
             return _Failure(f"{type(exc).__name__}: {exc}", retry=True)
+        finally:
+            if self._unpin is not None:
+                self._unpin(rid)
         if status != 200:
             return _Failure(f"HTTP {status}: {str(payload)[:300]}", retry=status in _RETRY_STATUS)
         processed = prompt_tokens_processed(payload)

@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-install", action="store_true", help="do not pip-install the routers")
     p.add_argument("--max-total-s", type=float, default=3600, help="stop starting new runs after")
     p.add_argument("--quick", action="store_true", help="smoke test: c=1,16, 2 s, 1 round")
+    p.add_argument(
+        "--model-dir",
+        default=str(tg.default_model_dir() or "") or None,
+        help="model directory for the kvgate-exact target (default: engines/vllm_cpu.sh's "
+        "tiny model, when installed)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.conc, args.duration, args.rounds, args.ttft_n = [1, 16], 2, 1, 15
@@ -97,7 +103,10 @@ class Bench:
         self.truncated = False
 
     def install(self) -> None:
-        for venv in {tg.ROUTER_TARGETS[t][0] for t in self.args.targets if t != "kvgate"}:
+        if "kvgate-exact" in self.args.targets and self.args.model_dir is None:
+            self.unavailable["kvgate-exact"] = "no --model-dir (run engines/vllm_cpu.sh install)"
+        routers = [t for t in self.args.targets if t in tg.ROUTER_TARGETS]
+        for venv in {tg.ROUTER_TARGETS[t][0] for t in routers}:
             version, error = tg.ensure_router(self.workdir, venv, not self.args.no_install)
             self.versions[tg.ROUTERS[venv][1]] = version
             if error:
@@ -115,13 +124,16 @@ class Bench:
             if not tg.wait_ready(s, 20):
                 raise RuntimeError(f"stub {s.name} did not start: {s.error}")
         urls = [s.url for s in self.stubs]
-        ports = {"kvgate": base + 100, "sglang-rr": base + 110, "sglang-ca": base + 111}
+        ports = {"kvgate": base + 100, "kvgate-exact": base + 101}
+        ports |= {"sglang-rr": base + 110, "sglang-ca": base + 111}
         ports |= {"vllm-rr": base + 120, "vllm-ca": base + 121}
         for name in self.args.targets:
             if name in self.unavailable:
                 continue
-            if name == "kvgate":
-                proc = tg.kvgate_proc(self.workdir, urls, ports[name])
+            if name in tg.KVGATE_TARGETS:
+                exact = name == "kvgate-exact" and self.args.model_dir
+                model_dir = Path(self.args.model_dir) if exact else None
+                proc = tg.kvgate_proc(self.workdir, urls, ports[name], name, model_dir)
             else:
                 proc = tg.router_proc(self.workdir, name, urls, ports[name])
             proc.start()

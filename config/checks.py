@@ -16,6 +16,7 @@ from config.settings import (
     EngineKind,
     InstanceSettings,
     KVConnector,
+    PeerOverloadSettings,
     PoolSettings,
     PredictorSettings,
     Protocol,
@@ -120,6 +121,12 @@ def check_settings(s: Settings, issues: IssueCollector) -> None:
     _check_slo(c, s.slo)
     _check_routing(c, s.routing)
     _check_admission(c, s.admission)
+    c.require(
+        s.admission.mode != "peer" or s.routing.policy in PEER_POLICIES,
+        "admission.mode",
+        s.admission.mode.value,
+        f"'peer' needs a peer routing.policy ({', '.join(PEER_POLICIES)})",
+    )
     _check_predictors(c, s.predictors)
     _check_pools(c, s.pools)
     _check_models(c, s)
@@ -157,6 +164,7 @@ def _check_routing(c: _Checker, r: RoutingSettings) -> None:
     c.between("routing.block_size", r.block_size, 1, MAX_BLOCK_SIZE)
     c.at_least("routing.kvcache_balancing_threshold", r.kvcache_balancing_threshold, 1)
     c.at_least("routing.min_transfer_blocks", r.min_transfer_blocks, 0)
+    c.at_least("routing.llamacpp_slot_max_waiting", r.llamacpp_slot_max_waiting, 0)
     c.positive("routing.predict_on_route_ttl_s", r.predict_on_route_ttl_s)
     c.non_empty("routing.model_dir", r.model_dir)
     c.non_empty("routing.tokenizer_file", r.tokenizer_file)
@@ -175,6 +183,42 @@ def _check_admission(c: _Checker, a: AdmissionSettings) -> None:
         "admission.retry_after_max_s",
         a.retry_after_max_s,
     )
+    _check_peer_overload(c, a.peer)
+
+
+# Policies with a shipped overload control (routing/policies/peer_overload.py).
+PEER_POLICIES = ("sglang_cache_aware", "llmd_weighted", "dynamo_kv")
+
+
+def _check_peer_overload(c: _Checker, p: PeerOverloadSettings) -> None:
+    key = "admission.peer."
+    c.require(
+        p.smg_max_concurrent_requests == -1 or p.smg_max_concurrent_requests >= 1,
+        key + "smg_max_concurrent_requests",
+        p.smg_max_concurrent_requests,
+        "must be -1 (off) or at least 1",
+    )
+    c.at_least(key + "smg_queue_size", p.smg_queue_size, 0)
+    c.at_least(key + "smg_queue_timeout_s", p.smg_queue_timeout_s, 0)
+    c.positive(key + "smg_rate_limit_tokens_per_second", p.smg_rate_limit_tokens_per_second)
+    c.positive(key + "gie_queue_depth_threshold", p.gie_queue_depth_threshold)
+    c.positive(key + "gie_kv_cache_util_threshold", p.gie_kv_cache_util_threshold)
+    c.positive(key + "gie_metrics_staleness_s", p.gie_metrics_staleness_s)
+    c.at_least(key + "gie_scrape_interval_s", p.gie_scrape_interval_s, 0)
+    c.require(
+        p.gie_admitter in ("saturation", "probabilistic"),
+        key + "gie_admitter",
+        p.gie_admitter,
+        "must be 'saturation' or 'probabilistic'",
+    )
+    c.positive(
+        key + "dynamo_active_decode_blocks_threshold", p.dynamo_active_decode_blocks_threshold
+    )
+    c.positive(
+        key + "dynamo_active_prefill_tokens_threshold_frac",
+        p.dynamo_active_prefill_tokens_threshold_frac,
+    )
+    c.at_least(key + "dynamo_max_num_batched_tokens", p.dynamo_max_num_batched_tokens, 1)
 
 
 def _check_predictors(c: _Checker, p: PredictorSettings) -> None:
@@ -381,6 +425,13 @@ def _check_server(c: _Checker, s: ServerSettings) -> None:
     c.at_least("server.refit_min_samples", s.refit_min_samples, 1)
     c.at_least("server.refit_min_new_samples", s.refit_min_new_samples, 1)
     c.between("server.port", s.port, 1, 65535)
+    c.positive("server.health_interval_s", s.health_interval_s)
+    c.positive("server.health_timeout_s", s.health_timeout_s)
+    c.positive("server.silence_predicted_factor", s.silence_predicted_factor)
+    c.positive("server.silence_slo_factor", s.silence_slo_factor)
+    c.positive("server.silence_min_s", s.silence_min_s)
+    c.ordered("server.silence_min_s", s.silence_min_s, "server.silence_max_s", s.silence_max_s)
+    c.at_least("server.drain_timeout_s", s.drain_timeout_s, 0)
     if s.admin_token is not None:
         # A token read from a file often carries a trailing newline; it would never match.
         c.require(

@@ -59,6 +59,9 @@ class AdmissionMode(StrEnum):
     NONE = "none"
     EARLY = "early"
     PREDICTIVE = "predictive"
+    # The overload control the placement policy's own system ships with (SMG limiter, GIE
+    # saturation detector, Dynamo busy thresholds): routing/policies/peer_overload.py.
+    PEER = "peer"
 
 
 class DecodePlacement(StrEnum):
@@ -145,11 +148,47 @@ class RoutingSettings:
     tokenizer_file: str | None = None
     chars_per_token: float = 4.0
     seed: int = 0
+    # llama.cpp instances: pin each request to the slot (``id_slot``) that holds its longest
+    # prefix, waiting behind at most this many queued requests before taking another slot
+    # (backends/llamacpp_slots.py); off = llama-server picks, and thrashes hot prefixes.
+    llamacpp_slot_affinity: bool = True
+    llamacpp_slot_max_waiting: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOverloadSettings:
+    """Admission mode ``peer``: each peer's overload control, upstream defaults
+    (docs/peer-fidelity.md cites the files). Only the section of the policy in use applies."""
+
+    # SMG / sglang router limiter (smg main.rs): -1 = off (the shipped default).
+    smg_max_concurrent_requests: int = -1
+    smg_queue_size: int = 100
+    smg_queue_timeout_s: float = 60.0
+    # Token-bucket refill per second; None = max_concurrent_requests per second.
+    smg_rate_limit_tokens_per_second: float | None = None
+    # GIE utilization saturation detector + shedding of sheddable (priority < 0) requests.
+    gie_queue_depth_threshold: float = 5.0
+    gie_kv_cache_util_threshold: float = 0.8
+    gie_metrics_staleness_s: float = 0.2
+    # Scrape interval of the simulated metrics (GIE data layer; llm-d guides use 50 ms).
+    gie_scrape_interval_s: float = 0.05
+    # Whether traffic is sheddable (InferenceObjective priority < 0): GIE never sheds
+    # non-sheddable requests, so with False the detector admits everything.
+    gie_sheddable: bool = True
+    # "saturation" (hard shed at pool saturation >= 1) or "probabilistic" (llm-d admitter:
+    # p = min(300 * saturation^5, 1)).
+    gie_admitter: str = "saturation"
+    # Dynamo busy thresholds (v1.1.1 defaults): reject (529) when every worker of a pool is busy.
+    dynamo_active_decode_blocks_threshold: float = 1.0
+    dynamo_active_prefill_tokens_threshold_frac: float = 10.0
+    # The engines' max_num_batched_tokens the prefill fraction refers to (vLLM V1 default).
+    dynamo_max_num_batched_tokens: int = 8192
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     mode: AdmissionMode = AdmissionMode.PREDICTIVE
+    peer: PeerOverloadSettings = field(default_factory=PeerOverloadSettings)
     # Predictions are multiplied by these before the SLO comparison (>1 = conservative).
     ttft_margin: float = 1.0
     tbt_margin: float = 1.0
@@ -256,6 +295,21 @@ class ServerSettings:
     # Retries on another instance, only while nothing has reached the client yet.
     max_retries: int = 1
     health_interval_s: float = 2.0
+    # A /health probe that takes longer counts as one failure (three in a row eject); a busy
+    # engine (vLLM on CPU under load) answers late but is alive. A refused connection ejects
+    # at once, whatever this says.
+    health_timeout_s: float = 5.0
+    # An engine that accepted a request and then sends no byte for
+    # clamp(max(silence_predicted_factor x predicted TTFT, silence_slo_factor x TTFT SLO),
+    # silence_min_s, silence_max_s) seconds is aborted: 504 (or an SSE error event once the
+    # stream has started), and its circuit breaker counts the failure.
+    silence_predicted_factor: float = 4.0
+    silence_slo_factor: float = 3.0
+    silence_min_s: float = 30.0
+    silence_max_s: float = 300.0
+    # SIGTERM: new requests get 503 + Retry-After; in-flight answers may finish for this long,
+    # then the rest end with a clean error and the process exits 0.
+    drain_timeout_s: float = 30.0
     scrape_interval_s: float = 1.0
     # Observed prefill timings refit the prefill predictor this often (0 = never).
     refit_interval_s: float = 60.0

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from config.loader import ConfigError, settings_from_dict, settings_to_dict
 from config.settings import InstanceSettings
 from gateway.admin_openapi import OPENAPI
+from gateway.openai import lone_surrogate
 from gateway.runtime import Gateway
 from routing.policies.registry import PolicyError, build_policy
 
@@ -55,12 +56,17 @@ class AdminAPI:
         return wrapped
 
     async def _json(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
         try:
-            data = json.loads(await request.body())
+            data = json.loads(raw)
         except ValueError as exc:
             raise ConfigError("<request>", "", None, f"body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ConfigError("<request>", "", None, "body is nested too deeply") from None
         if not isinstance(data, dict):
             raise ConfigError("<request>", "", data, "body must be a JSON object")
+        if (field := lone_surrogate(data)) is not None:  # not text: cannot be answered
+            raise ConfigError("<request>", field, None, "holds a lone UTF-16 surrogate")
         return data
 
     def _apply_section(self, section: str, patch: dict[str, Any]) -> dict[str, Any]:
@@ -95,6 +101,7 @@ class AdminAPI:
             Route("/admin/instances/{iid}", a(self.delete_instance), methods=["DELETE"]),
             Route("/admin/instances/{iid}/drain", a(self.drain), methods=["POST"]),
             Route("/admin/state", a(self.state), methods=["GET"]),
+            Route("/admin/reload", a(self.reload), methods=["POST"]),
             Route("/admin/models", a(self.models), methods=["GET"]),
             Route("/admin/decisions", a(self.decisions), methods=["GET"]),
             Route("/admin/predictors", a(self.predictors), methods=["GET"]),
@@ -163,6 +170,16 @@ class AdminAPI:
         affected = self.gw.remove_instance(iid)
         return JSONResponse({"removed": iid, "requests_failed": affected})
 
+    async def reload(self, request: Request) -> Response:
+        """Re-read the config file, validated like at start-up (gateway/reload.py)."""
+        from gateway.reload import reload_config
+
+        result = await reload_config(self.gw)
+        if result.ok:
+            return JSONResponse(result.as_dict())
+        status = 409 if self.gw.config_path is None else 400
+        return _error(status, result.error or "reload failed", "invalid_request_error")
+
     async def drain(self, request: Request) -> Response:
         iid = request.path_params["iid"]
         if iid not in self.gw.conductor.instances:
@@ -172,7 +189,7 @@ class AdminAPI:
         if body:
             try:
                 draining = bool(json.loads(body).get("draining", True))
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 return _error(400, 'body must be {"draining": true|false}', "invalid_request_error")
         self.gw.conductor.drain_instance(iid, draining)
         return JSONResponse(self._instance_view(iid))
@@ -291,6 +308,6 @@ class AdminAPI:
                 "confirmed": planner.confirmed,
                 "failed": planner.failed,
                 "in_flight": len(planner.in_flight),
-                "recent": list(self.gw.replications)[-200:],
+                "recent": [r.as_dict() for r in list(self.gw.replicator.log)[-200:]],
             }
         )

@@ -117,6 +117,18 @@ OPENAPI: dict[str, Any] = {
                 },
             },
         },
+        "/admin/reload": {
+            "post": {
+                "summary": "Re-read the config file the gateway started from, validated like "
+                "at start-up; a bad file changes nothing (400)",
+                "responses": {
+                    "200": {"description": "what changed", **_ANY},
+                    "400": _ERROR,
+                    "409": _ERROR,
+                    "401": _ERROR,
+                },
+            },
+        },
         "/admin/state": {
             "get": {
                 "summary": "Per-instance queue, predicted TTFT, decode batch, "

@@ -11,14 +11,17 @@ from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from config.settings import Settings
 from gateway.admin import AdminAPI
+from gateway.answers import send_json
 from gateway.openai import CHAT, COMPLETIONS, error_body
-from gateway.proxy import CompletionHandler, send_json
+from gateway.openai_openapi import OPENAPI
+from gateway.proxy import CompletionHandler
 from gateway.runtime import Gateway
 
 
@@ -31,8 +34,11 @@ class GatewayApp:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
                 *AdminAPI(self.gateway).routes(),
             ],
+            # Unknown paths and wrong methods answer in OpenAI's error shape, like the rest.
+            exception_handlers={HTTPException: self.http_error},
         )
 
     async def __call__(self, scope: dict[str, Any], receive, send) -> None:
@@ -72,6 +78,8 @@ class GatewayApp:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
+        if self.gateway.drain.draining:  # SIGTERM: load balancers stop sending here
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         c = self.gateway.conductor
         ok = any(i.eligible for i in c.instances.values())
         body = {
@@ -82,6 +90,15 @@ class GatewayApp:
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.gateway.metrics.render(), media_type=self.gateway.metrics.content_type)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(OPENAPI)
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": exc.detail, "type": kind, "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 def build_app(settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> GatewayApp:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +44,12 @@ def _bench_decision(args: argparse.Namespace) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     from replay.sim_cli import main
+
+    return main(args)
+
+
+def _sim_sweep(args: argparse.Namespace) -> int:
+    from replay.sweep import main
 
     return main(args)
 
@@ -160,18 +167,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `kvgate sim NAME ...`: module (with add_arguments), description, handler
+_SIM_SIBLINGS = {
+    "cache": (
+        "replay.cache_analysis",
+        "Prefix-cache hit ratio of a trace per capacity and eviction policy (Mooncake Table 1).",
+        _sim_cache,
+    ),
+    "sweep": (
+        "replay.sweep",
+        "Goodput, p90 TTFT and wasted prefills of each --compare entry over --speeds x "
+        "--ttft-slos, next to the goodput upper bound (JSON + PNG).",
+        _sim_sweep,
+    ),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["sim", "cache"]:  # `kvgate sim cache TRACE`: a sibling of `sim TRACE`
-        from replay.cache_analysis import add_arguments as add_cache_args
-
-        parser = argparse.ArgumentParser(
-            prog="kvgate sim cache",
-            description="Prefix-cache hit ratio of a trace per capacity and eviction policy "
-            "(Mooncake Table 1).",
-        )
-        add_cache_args(parser)
-        parser.set_defaults(func=_sim_cache)
+    sibling = _SIM_SIBLINGS.get(argv[1]) if argv[:1] == ["sim"] and len(argv) > 1 else None
+    if sibling is not None:  # `kvgate sim cache|sweep TRACE`: siblings of `sim TRACE`
+        module, description, func = sibling
+        parser = argparse.ArgumentParser(prog=f"kvgate sim {argv[1]}", description=description)
+        importlib.import_module(module).add_arguments(parser)
+        parser.set_defaults(func=func)
         argv = argv[2:]
     else:
         parser = build_parser()

@@ -114,6 +114,12 @@ class GatewayMetrics:
             "Blocks dropped from the cache view because an engine reported them evicted",
             registry=r,
         )
+        self.slot_evicted = Counter(
+            "kvgate_cache_view_slot_evicted_blocks",
+            "Blocks dropped from the cache view because kvgate sent a request to the llama.cpp "
+            "slot that held them",
+            registry=r,
+        )
         self.engine_metrics_understood = Gauge(
             "kvgate_engine_metrics_understood",
             "1 if the instance's /metrics gave a load signal kvgate understands, else 0",

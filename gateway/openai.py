@@ -8,6 +8,7 @@ body itself is forwarded unchanged. Errors use OpenAI's shape:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,11 +62,41 @@ def prompt_blocks(
         tokens = encoder.encode(path, body)
     except PromptError as exc:
         raise BadRequest(str(exc), exc.param) from None
+    except UnicodeEncodeError:  # found here, not looked for on every request (hot path)
+        main = "messages" if path == CHAT else "prompt"
+        field = main if lone_surrogate({main: body.get(main)}) else lone_surrogate(body) or main
+        raise BadRequest(
+            f"'{field}' holds a lone UTF-16 surrogate (\\uD800-\\uDFFF without its pair), "
+            "which is not Unicode text",
+            field,
+        ) from None
     if tokens.cache_salt is None:
         return hasher.hash_packed(tokens.packed), tokens
     # A salted prompt's blocks live in their own key space, as in the engine's cache.
     root = hasher.namespace_root(None, tokens.cache_salt)
     return hasher.hash_packed(tokens.packed, root), tokens
+
+
+def lone_surrogate(body: Mapping[str, Any]) -> str | None:
+    """The top-level field of ``body`` holding a string with a lone UTF-16 surrogate, if any:
+    JSON's ``\\ud800`` escapes (and json.loads of bytes, which decodes "surrogatepass") give
+    strings that are not Unicode text, that no tokenizer takes and that cannot be encoded as
+    UTF-8. Iterative: the body may nest as deep as the JSON parser allows."""
+    for key, value in body.items():
+        stack: list[Any] = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode()
+                except UnicodeEncodeError:  # the key itself may be the bad string
+                    return key.encode("utf-8", "backslashreplace").decode()
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+    return None
 
 
 def _positive_int(body: Mapping[str, Any], key: str) -> int | None:
@@ -85,8 +116,8 @@ def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
         value = float(raw)
     except ValueError:
         raise BadRequest(f"header {name} must be a number of milliseconds", name) from None
-    if not value > 0:
-        raise BadRequest(f"header {name} must be > 0", name)
+    if not (value > 0 and math.isfinite(value)):  # inf would make every timeout infinite
+        raise BadRequest(f"header {name} must be a finite number > 0", name)
     return value / 1000.0
 
 
@@ -120,9 +151,13 @@ def parse_request(
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # OpenAI's and vLLM's schema: boolean or null, default false
+        stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     model = None

@@ -7,88 +7,49 @@ the answer streamed through chunk by chunk as it arrives, never buffered (gatewa
 With tracing off no span objects are made at all. What happens is reported back to the
 Conductor: dispatched, prefill done, first token, tokens, finished, failed (including a client
 that went away, which also aborts the engine legs).
+
+Failures: a leg that could not connect is retried once elsewhere (never on the instance that
+just failed); an engine that took the request and then went silent is aborted after
+``Gateway.silence_timeout`` and not retried (the time is spent): 504, or an SSE error event
+once the stream had started; either way every book (Conductor, decision record, drain) is
+closed. While the gateway drains (SIGTERM) new requests get 503 + Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import math
-import os
 import time
 from typing import Any
 
 from backends.drivers import ForwardPlan, UpstreamError, UpstreamResponse
+from backends.legs import Failure
+from gateway.answers import (
+    Scope,
+    decision_headers,
+    is_openai_error,
+    new_request_id,
+    read_body,
+    rejection_response,
+    send_json,
+    usable_request_id,
+)
 from gateway.learning import DecisionRecord
 from gateway.openai import BadRequest, ParsedRequest, error_body, parse_request
 from gateway.relay import (
     ClientWatch,
     Receive,
+    ResponseStart,
     Send,
     cache_report,
     relay_stream,
     send_stream_error,
+    shutting_down_body,
+    upstream_failure,
     usage_tokens,
 )
 from gateway.runtime import Gateway
 from routing.types import Decision, Rejection
-
-Scope = dict[str, Any]
-_JSON = (b"content-type", b"application/json")
-# Request ids the gateway makes: a random per-process prefix and a counter (32 hex digits, as
-# uuid4().hex, at a fraction of its cost).
-_ID_PREFIX = os.urandom(8).hex()
-_ID_COUNTER = itertools.count(1)
-
-
-def new_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ConnectionResetError
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"request body larger than {limit} bytes", status=413)
-        chunks.append(chunk)
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
-async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]):
-    await send({"type": "http.response.start", "status": status, "headers": [_JSON, *headers]})
-    await send({"type": "http.response.body", "body": body})
-
-
-def rejection_response(rej: Rejection, request_id: str) -> tuple[int, bytes, list]:
-    headers = [
-        (b"retry-after", str(max(1, math.ceil(rej.retry_after_s))).encode()),
-        (b"x-request-id", request_id.encode()),
-        (b"x-kvgate-reject-reason", rej.reason.value.encode()),
-    ]
-    if rej.predicted_ttft_s is not None:
-        ttft_ms = f"{rej.predicted_ttft_s * 1e3:.1f}".encode()
-        headers.append((b"x-kvgate-predicted-ttft-ms", ttft_ms))
-    if rej.predicted_tbt_s is not None:
-        headers.append((b"x-kvgate-predicted-tbt-ms", f"{rej.predicted_tbt_s * 1e3:.2f}".encode()))
-    kind = "service_unavailable" if rej.no_capacity else "rate_limit_exceeded"
-    return rej.http_status, error_body(rej.message, kind, code=rej.reason.value), headers
-
-
-def _decision_headers(d: Decision, request_id: str) -> list[tuple[bytes, bytes]]:
-    return [
-        (b"x-request-id", request_id.encode()),
-        (b"x-kvgate-prefill", d.prefill.encode()),
-        (b"x-kvgate-decode", d.decode.encode()),
-        (b"x-kvgate-predicted-ttft-ms", f"{d.predicted_ttft_s * 1e3:.1f}".encode()),
-        (b"x-kvgate-predicted-tbt-ms", f"{d.predicted_tbt_s * 1e3:.2f}".encode()),
-    ]
 
 
 class CompletionHandler:
@@ -111,9 +72,15 @@ class CompletionHandler:
         gw = self.gw
         # ASGI servers lower-case header names already
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or new_request_id()
+        given = headers.get("x-request-id")
+        # A client's id already in flight would share its books with another request.
+        usable = usable_request_id(given) and given not in gw.conductor.requests
+        request_id = given if usable and given is not None else new_request_id()
+        if gw.drain.draining:  # shutting down (SIGTERM): the client retries elsewhere
+            await self._refuse_draining(send, request_id)
+            return
         try:
-            raw = await _read_body(receive, gw.settings.server.max_body_bytes)
+            raw = await read_body(receive, gw.settings.server.max_body_bytes)
             parsed = parse_request(
                 scope["path"],
                 raw,
@@ -132,15 +99,21 @@ class CompletionHandler:
             body = error_body(exc.message, "invalid_request_error", param=exc.param, code=exc.code)
             await send_json(send, exc.status, body, [(b"x-request-id", request_id.encode())])
             return
-        if not gw.tracing.enabled:  # no span machinery at all, not even no-op spans
-            await self._serve(parsed, scope["path"], raw, receive, send)
-            return
-        tracer = gw.tracing.tracer
-        with tracer.start_as_current_span(
-            "kvgate.request", context=gw.tracing.extract(headers)
-        ) as span:
-            span.set_attribute("kvgate.request_id", request_id)
-            await self._serve(parsed, scope["path"], raw, receive, send)
+        # A drain (SIGTERM) waits for this request, or aborts it. Here, not in a wrapper
+        # coroutine: every suspension of the answer resumes through each frame of the chain.
+        gw.drain.enter()
+        try:
+            if not gw.tracing.enabled:  # no span machinery at all, not even no-op spans
+                await self._serve(parsed, scope["path"], raw, receive, send)
+                return
+            tracer = gw.tracing.tracer
+            with tracer.start_as_current_span(
+                "kvgate.request", context=gw.tracing.extract(headers)
+            ) as span:
+                span.set_attribute("kvgate.request_id", request_id)
+                await self._serve(parsed, scope["path"], raw, receive, send)
+        finally:
+            gw.drain.leave(request_id)
 
     def _decide(
         self, parsed: ParsedRequest, exclude: frozenset[str]
@@ -169,6 +142,16 @@ class CompletionHandler:
         gw.metrics.decision.observe(decision_s)
         gw.learner.record(record)
 
+    async def _refuse_draining(self, send: Send, request_id: str) -> None:
+        gw = self.gw
+        gw.metrics.requests.labels("shutting_down").inc()
+        headers = [
+            (b"retry-after", str(gw.drain.retry_after_s()).encode()),
+            (b"connection", b"close"),  # the client's next try opens a connection elsewhere
+            (b"x-request-id", request_id.encode()),
+        ]
+        await send_json(send, 503, shutting_down_body(), headers)
+
     async def _serve(
         self, parsed: ParsedRequest, path: str, raw: bytes, receive: Receive, send: Send
     ):
@@ -191,8 +174,8 @@ class CompletionHandler:
                 await send_json(send, *rejection_response(decision, rid))
                 return
             if decision.replications:  # a warm-up copy sends this prompt's prefix tokens
-                gw.remember_prompt(path, parsed)
-            pulls = gw.execute_replications(decision.replications)
+                gw.replicator.remember_prompt(path, parsed)
+            pulls = gw.replicator.execute(decision.replications)
             if pulls:  # the prefill reuses a prefix pulled from its holder: let it land first
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
@@ -215,17 +198,26 @@ class CompletionHandler:
             try:
                 upstream = await self._open(parsed, path, raw, decision)
                 break
-            except UpstreamError as exc:
+            except asyncio.CancelledError:  # the server gave up on the request (shutdown)
+                gw.unpin_slot(rid)
                 gw.conductor.failed(rid, gw.clock())
+                record.outcome = "failed"
+                raise
+            except UpstreamError as exc:
+                gw.unpin_slot(rid)
+                gw.conductor.failed(rid, gw.clock())
+                record.outcome = "failed"  # this attempt's record; a retry makes its own
                 if exc.status is None or exc.status >= 500:  # a 4xx is the request's fault
-                    gw.leg_failed(exc.instance_id)
-                if exc.status is None and retries > 0:  # nothing reached the client yet
+                    gw.leg_failed(exc.instance_id, exc.kind)
+                # Retry elsewhere while nothing reached the client, unless the engine went
+                # silent: the time the client can wait is spent.
+                retryable = exc.status is None and exc.kind is not Failure.SILENT
+                if retryable and retries > 0:
                     retries -= 1
                     failed_on |= {exc.instance_id}
                     last_error = exc
                     gw.metrics.retries.inc()
                     continue
-                record.outcome = "failed"
                 self._count(self._upstream_error, parsed, "upstream_error")
                 await self._send_upstream_error(send, exc, rid)
                 return
@@ -242,16 +234,22 @@ class CompletionHandler:
         def prefill_done() -> None:
             gw.conductor.prefill_done(parsed.info.request_id, gw.clock())
 
+        body = parsed.body
+        rid = parsed.info.request_id
+        colocated = d.prefill == d.decode
+        slot = gw.pin_slot(rid, d.prefill, parsed.info.block_hashes) if colocated else None
+        if slot is not None:  # llama.cpp: wait for the slot that holds the prefix
+            body, raw = {**body, "id_slot": slot}, b""
         plan = ForwardPlan(
             request_id=parsed.info.request_id,
             path=path,
-            body=parsed.body,
+            body=body,
             prefill=gw.targets[d.prefill],
             decode=gw.targets[d.decode],
             headers=headers,
-            timeout_s=max(60.0, 4 * d.slo_ttft_s),
+            timeout_s=gw.silence_timeout(d),  # no byte for this long: the engine is aborted
             on_prefill_done=prefill_done,
-            raw_body=raw,  # the body is forwarded as the client sent it where it is unchanged
+            raw_body=raw or None,  # forwarded as the client sent it where it is unchanged
         )
         if gw.tracing.enabled:
             with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
@@ -264,11 +262,16 @@ class CompletionHandler:
     async def _send_upstream_error(self, send: Send, exc: UpstreamError, rid: str) -> None:
         if exc.status is not None and exc.body:
             # An engine's own error (e.g. 400 for a bad parameter, 503 from a full decode
-            # instance) is passed through as the engine said it.
-            await send_json(send, exc.status, exc.body, [(b"x-request-id", rid.encode())])
+            # instance) is passed through as the engine said it, if it is an OpenAI error;
+            # anything else (a plain-text 400 from its HTTP parser) is wrapped in one.
+            body = exc.body if is_openai_error(exc.body) else None
+            if body is None:
+                text = exc.body[:300].decode("utf-8", "replace")
+                kind = "invalid_request_error" if exc.status < 500 else "upstream_error"
+                body = error_body(f"engine {exc.instance_id}: {text}", kind)
+            await send_json(send, exc.status, body, [(b"x-request-id", rid.encode())])
             return
-        body = error_body(f"engine {exc.instance_id} failed: {exc}", "upstream_error")
-        await send_json(send, 502, body, [(b"x-request-id", rid.encode())])
+        await send_json(send, *upstream_failure(exc), [(b"x-request-id", rid.encode())])
 
     async def _relay(
         self,
@@ -282,27 +285,31 @@ class CompletionHandler:
         gw = self.gw
         rid = parsed.info.request_id
         watch = ClientWatch(receive, upstream)
+        gw.drain.streaming(rid, upstream)
         tokens = 0
+        # Sent with the answer's first bytes: until then a failure is a plain error response.
+        start = ResponseStart(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": [
+                    (b"content-type", upstream.content_type.encode()),
+                    *decision_headers(d, rid),
+                ],
+            }
+        )
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": upstream.status,
-                    "headers": [
-                        (b"content-type", upstream.content_type.encode()),
-                        *_decision_headers(d, rid),
-                    ],
-                }
-            )
             if parsed.stream:
                 tokens, tail = await relay_stream(
-                    upstream, record, send, gw.conductor, gw.metrics, gw.clock
+                    upstream, record, send, gw.conductor, gw.metrics, gw.clock, start
                 )
             else:
                 tail = await upstream.read()
                 now = gw.clock()
                 record.observed_ttft_s = gw.conductor.first_token(rid, now)
                 tokens = usage_tokens(tail)
+                start.sent = True
+                await send(start.message)
                 await send({"type": "http.response.body", "body": tail})
             upstream.close()
             now = gw.clock()
@@ -322,16 +329,32 @@ class CompletionHandler:
             if watch.disconnected:
                 record.outcome = "client_disconnected"
                 self._count(self._disconnected, parsed, "client_disconnected")
+            elif rid in gw.drain.aborted:  # shutting down: not the engine's fault
+                record.outcome = "aborted"
+                gw.metrics.requests.labels("shutting_down").inc()
+                await self._end_aborted(send, parsed.stream, start)
             else:
                 record.outcome = "failed"
                 self._count(self._upstream_error, parsed, "upstream_error")
                 if isinstance(exc, UpstreamError):
-                    gw.leg_failed(exc.instance_id)
-                    await send_stream_error(send, parsed.stream, exc)
+                    gw.leg_failed(exc.instance_id, exc.kind)
+                    if start.sent:
+                        await send_stream_error(send, parsed.stream, exc)
+                    else:
+                        await self._send_upstream_error(send, exc, rid)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
             watch.stop()
+            gw.unpin_slot(rid)
+
+    async def _end_aborted(self, send: Send, stream: bool, start: ResponseStart) -> None:
+        """The drain cut this answer: a clean end for the client, whatever was sent."""
+        if start.sent:
+            await send_stream_error(send, stream, None)
+            return
+        with contextlib.suppress(OSError):
+            await send_json(send, 503, shutting_down_body(), [(b"retry-after", b"1")])
 
     def _learn(self, parsed: ParsedRequest, d: Decision, rec: DecisionRecord, now: float):
         gw = self.gw

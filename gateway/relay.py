@@ -2,8 +2,11 @@
 
 Each chunk is sent on as it arrives, never buffered; the books (first token, tokens, time
 between chunks) are kept after the send and in batches, so the per-chunk cost stays close to
-the bare relay's (docs/proxy-bench.md). Also: noticing a client that left, and the pieces of
-an answer the proxy reads without parsing it.
+the bare relay's (docs/proxy-bench.md). The response's status and headers go out with the
+first bytes of the answer, not before: an engine that takes a request and then sends nothing
+still lets the client get a plain 504 instead of a stream that never starts. Also: noticing a
+client that left, the pieces of an answer the proxy reads without parsing it, and the errors
+that end an answer cleanly.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from backends.drivers import UpstreamError, UpstreamResponse
+from backends.legs import Failure, stream_error
 from gateway.learning import DecisionRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai import error_body
@@ -35,6 +39,17 @@ _CACHE_N = b'"cache_n"'
 _PROMPT_N = b'"prompt_n"'
 
 
+class ResponseStart:
+    """The response's ``http.response.start``, sent once (with the answer's first bytes);
+    whoever sends it sets ``sent`` (inline, not a method: this is on every request's path)."""
+
+    __slots__ = ("message", "sent")
+
+    def __init__(self, message: dict[str, Any]) -> None:
+        self.message = message
+        self.sent = False
+
+
 async def relay_stream(
     upstream: UpstreamResponse,
     record: DecisionRecord,
@@ -42,10 +57,12 @@ async def relay_stream(
     conductor: Conductor,
     metrics: GatewayMetrics,
     clock: Callable[[], float],
+    start: ResponseStart | None = None,
 ) -> tuple[int, bytes]:
     """Relays the SSE answer chunk by chunk as it arrives, keeping the books (first token,
     streamed tokens, time between chunks); returns the tokens it carried and the answer's
-    last two chunks (where a final usage chunk is, for ``cache_report``)."""
+    last two chunks (where a final usage chunk is, for ``cache_report``). ``start`` goes out
+    just before the first chunk (or the end of an empty answer)."""
     rid = record.request_id
     next_piece = upstream.piece_reader()
     stamps: list[float] = []  # arrival of each chunk: the TBT histogram's samples
@@ -57,13 +74,19 @@ async def relay_stream(
             try:
                 piece = await next_piece()
             except OSError as exc:
-                raise UpstreamError(upstream.instance_id, None, f"stream broke: {exc!r}") from exc
+                raise stream_error(upstream.instance_id, exc) from exc
             if piece is None:
+                if start is not None and not start.sent:
+                    start.sent = True
+                    await send(start.message)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 break
             now = clock()
             chunk, end = piece
             before, last = last, chunk
+            if not stamps and start is not None and not start.sent:
+                start.sent = True
+                await send(start.message)
             # The last chunk ends the response in the same write (no separate terminator);
             # the chunk goes out first, the books after.
             await send({"type": "http.response.body", "body": chunk, "more_body": not end})
@@ -186,12 +209,37 @@ def cache_report(body: bytes) -> tuple[int | None, int | None]:
     return cached, None if computed is None else cached + computed
 
 
-async def send_stream_error(send: Send, stream: bool, exc: UpstreamError) -> None:
-    """The response has started: end it with an error the client can see."""
-    if stream:
-        msg = error_body(f"engine {exc.instance_id} failed mid-stream", "upstream_error")
-        payload = b"data: " + msg + b"\n\ndata: [DONE]\n\n"
+def upstream_failure(exc: UpstreamError) -> tuple[int, bytes]:
+    """Status and OpenAI-shaped body for a leg that failed before any byte reached the
+    client: 504 for an engine that went silent, 502 for any other transport failure."""
+    if exc.kind is Failure.SILENT:
+        msg = f"engine {exc.instance_id} sent nothing for too long and was aborted"
+        return 504, error_body(msg, "upstream_timeout", code="engine_silent")
+    return 502, error_body(f"engine {exc.instance_id} failed: {exc}", "upstream_error")
+
+
+def shutting_down_body() -> bytes:
+    return error_body(
+        "the gateway is shutting down; retry (another replica takes the request)",
+        "service_unavailable",
+        code="shutting_down",
+    )
+
+
+async def send_stream_error(send: Send, stream: bool, exc: UpstreamError | None) -> None:
+    """The response has started: end it with an error the client can see (``exc`` None: the
+    gateway cut the answer because it is shutting down)."""
+    if exc is None:
+        msg = shutting_down_body()
+    elif exc.kind is Failure.SILENT:
+        msg = error_body(
+            f"engine {exc.instance_id} sent nothing for too long and was aborted",
+            "upstream_timeout",
+            code="engine_silent",
+        )
     else:
-        payload = error_body(f"engine {exc.instance_id} failed", "upstream_error")
+        what = "mid-stream" if stream else "while answering"
+        msg = error_body(f"engine {exc.instance_id} failed {what}", "upstream_error")
+    payload = b"data: " + msg + b"\n\ndata: [DONE]\n\n" if stream else msg
     with contextlib.suppress(OSError):
         await send({"type": "http.response.body", "body": payload, "more_body": False})

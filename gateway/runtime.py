@@ -5,6 +5,11 @@ an aiohttp session for health checks, scrapes and replication), the protocol dri
 checks and circuit breakers, the metrics scraper, KV-event subscribers, the replication sink,
 metrics, tracing and the learner. Settings changes from the admin API are
 validated and applied here. The clock is injectable (monotonic seconds) for tests.
+
+Failures of the engine legs land here too (``leg_failed``): a refused connection ejects the
+instance at once, any other transport failure counts in its circuit breaker and has its
+``/health`` probed at once (an engine killed mid-stream is found in milliseconds, not one
+health interval later). ``silence_timeout`` is how long an engine may send nothing.
 """
 
 from __future__ import annotations
@@ -14,8 +19,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -28,20 +32,22 @@ from backends.engine_models import fetch_served_models
 from backends.health import BreakerConfig, CircuitBreaker, HealthChecker
 from backends.http1 import Http1Client
 from backends.kv_events import KVEventSubscriber
+from backends.legs import Failure
+from backends.llamacpp_slots import SlotBook
 from backends.model_files import make_prompt_encoder
-from backends.prefix_tokens import PrefixTokenStore
 from backends.profile_file import load_measured_profiles, measured_predictors
 from backends.prometheus import EngineLoad
 from backends.scraper import MetricsScraper
-from config.settings import InstanceSettings, PoolSettings, ReplicationSink, Role, Settings
+from config.settings import InstanceSettings, PoolSettings, Role, Settings
+from gateway.drain import Drain
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, build_model_routes
-from gateway.openai import ParsedRequest
+from gateway.replicator import EngineView, Replicator
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
 from routing.hashing import BlockHasher
-from routing.types import AllBlocksCleared, ReplicationCommand, Tier
+from routing.types import AllBlocksCleared, Decision
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -72,12 +78,6 @@ class Gateway:
         # Per served model (config ``models``): its encoder and key space; else the one above.
         self.default_route = ModelRoute(None, self.prompt_encoder, self.hasher)
         self.model_routes, self.instance_routes = build_model_routes(settings)
-        # Token ids of prompts that led to replication, for warm-up copies (no warm-up: None).
-        self.prefix_tokens: PrefixTokenStore | None = None
-        if ReplicationSink.WARMUP in self._sink_kinds():
-            self.prefix_tokens = PrefixTokenStore(
-                settings.routing.block_size, settings.replication.warmup_prefix_bytes
-            )
         self.learner = Learner(
             self.conductor,
             settings.server.recent_decisions,
@@ -88,22 +88,37 @@ class Gateway:
         self.targets: dict[str, Target] = {}
         self.specs: dict[str, InstanceSettings] = {}
         self.breakers: dict[str, CircuitBreaker] = {}
-        self.replications: deque[dict[str, object]] = deque(maxlen=1000)
         self.session: aiohttp.ClientSession | None = None  # health checks and scrapes
         self.client = Http1Client()  # the engine legs (pooled keep-alive connections)
         self.health: HealthChecker | None = None
         self.scraper: MetricsScraper | None = None
         self._subscribers: dict[str, KVEventSubscriber] = {}
         self.engine_keys: dict[str, EngineKeyMap] = {}  # per instance: engine hash -> own keys
+        # llama.cpp instances: which slot each request is pinned to (filled as /slots is read)
+        self.slot_book = SlotBook(max_waiting=settings.routing.llamacpp_slot_max_waiting)
         self._tasks: list[asyncio.Task[None]] = []
-        self._replication_tasks: set[asyncio.Task[bool]] = set()
-        self._sink = None
         self._stop = asyncio.Event()
         self._engine_models: list[str] = []
         self._engine_models_at = float("-inf")
+        self.drain = Drain(clock)  # SIGTERM: stop taking requests, finish or abort the rest
+        self.config_path: str | None = None  # the file a reload reads (``kvgate serve``)
+        self.reload_lock = asyncio.Lock()  # SIGHUP and POST /admin/reload, one at a time
         for spec in settings.instances():
             self._register(spec)
         self.driver: ProtocolDriver = self._make_driver()
+        self.replicator = Replicator(
+            lambda: self.settings,
+            self.conductor,
+            self.metrics,
+            clock,
+            EngineView(
+                url=_UrlView(self.targets).get,
+                sends_kv_events=lambda iid: iid in self._subscribers,
+                engine_block_tokens=self._engine_block_tokens,
+                pin=self.pin_slot,
+                unpin=self.unpin_slot,
+            ),
+        )
 
     # ------------------------------------------------------------------ instances
     def _register(self, spec: InstanceSettings) -> None:
@@ -157,6 +172,7 @@ class Gateway:
         if sub is not None:
             sub.close()
         self.engine_keys.pop(instance_id, None)
+        self.slot_book.forget(instance_id)
         self.settings = replace(
             self.settings,
             pools=tuple(
@@ -175,9 +191,23 @@ class Gateway:
             self.scraper.set_targets(self._http_targets(), self._engine_kinds())
 
     def apply_settings(self, settings: Settings) -> None:
-        """Swap SLOs, policy, admission, replication live (already validated)."""
+        """Swap SLOs, policy, admission, replication, timeouts live (already validated)."""
         self.conductor.apply_settings(settings)
         self.settings = settings
+        if self.health is not None:
+            srv = settings.server
+            self.health.set_timing(srv.health_interval_s, srv.health_timeout_s)
+
+    def silence_timeout(self, d: Decision) -> float:
+        """How long an engine that took this request may send nothing before it is aborted:
+        a multiple of the predicted TTFT or of the TTFT SLO, whichever is larger, within the
+        configured bounds (a prediction of 0 or an odd SLO cannot make it tiny or endless)."""
+        srv = self.settings.server
+        t = max(
+            srv.silence_predicted_factor * d.predicted_ttft_s,
+            srv.silence_slo_factor * d.slo_ttft_s,
+        )
+        return min(max(t, srv.silence_min_s), srv.silence_max_s)
 
     # ------------------------------------------------------------------ health
     def on_health_change(self, instance_id: str, healthy: bool) -> None:
@@ -189,173 +219,54 @@ class Gateway:
         if healthy:
             self.breakers[instance_id] = CircuitBreaker(BreakerConfig())
 
-    def leg_failed(self, instance_id: str) -> None:
-        """A transport failure: count it; an open breaker ejects the instance until the health
-        checker sees it answer again."""
+    def leg_failed(self, instance_id: str, kind: Failure = Failure.CONNECT) -> None:
+        """A leg failed: count it; an open breaker ejects the instance until the health
+        checker sees it answer again. A refused connection opens the breaker at once (nothing
+        listens: the engine is down); a broken or silent answer has the engine probed now."""
         breaker = self.breakers.get(instance_id)
         self.metrics.upstream_errors.labels(instance_id).inc()
         if breaker is None:
             return
         now = self.clock()
-        breaker.record_failure(now)
+        if kind is Failure.REFUSED:
+            breaker.trip(now)
+        else:
+            breaker.record_failure(now)
         if not breaker.allow(now):
             self.on_health_change(instance_id, False)
             if self.health is not None:
                 self.health.mark_unhealthy(instance_id)
+        elif kind is not Failure.HTTP and self.health is not None:
+            self.health.probe_now(instance_id)  # a killed engine refuses the probe: ejected
+
+    def pin_slot(self, request_id: str, instance_id: str, blocks: Sequence[int]) -> int | None:
+        """The llama.cpp slot a request to ``instance_id`` waits for (None: the engine picks);
+        the prefix it overwrites leaves the cache view at once."""
+        now = self.clock()
+        choice = self.slot_book.assign(request_id, instance_id, blocks, now)
+        if choice is None:
+            return None
+        if choice.evicted:
+            self.conductor.evict(instance_id, choice.evicted, now)
+            self.metrics.slot_evicted.inc(len(choice.evicted))
+        return choice.slot
+
+    def unpin_slot(self, request_id: str) -> None:
+        self.slot_book.release(request_id, self.clock())
 
     def leg_succeeded(self, instance_id: str) -> None:
         breaker = self.breakers.get(instance_id)
+        now = self.clock()
         if breaker is not None:
-            breaker.record_success(self.clock())
+            breaker.record_success(now)
+        if self.health is not None:
+            self.health.mark_alive(instance_id, now)
 
     # ------------------------------------------------------------------ replication
-    def sink_kind(self, instance_id: str) -> ReplicationSink:
-        """How copies into an instance are made: its pool's ``replication_sink`` or the default."""
-        for pool in self.settings.pools:
-            if pool.replication_sink is not None and any(
-                i.id == instance_id for i in pool.instances
-            ):
-                return pool.replication_sink
-        return self.settings.replication.sink
-
-    def _sink_kinds(self) -> set[ReplicationSink]:
-        kinds = {p.replication_sink for p in self.settings.pools if p.replication_sink}
-        return kinds | {self.settings.replication.sink}
-
-    def _make_sink(self):
-        """The configured sink (per pool: one per kind, chosen by each command's destination);
-        None = dry run everywhere (commands are recorded, not executed)."""
-        if self.session is None:
-            return None
-        kinds = self._sink_kinds() - {ReplicationSink.DRY_RUN}
-        if not kinds:
-            return None
-        if len(kinds) == 1 and ReplicationSink.DRY_RUN not in self._sink_kinds():
-            return self._build_sink(kinds.pop())
-        from backends.replication import SinkByDestination
-
-        sinks = {kind.value: self._build_sink(kind) for kind in kinds}
-        return SinkByDestination(sinks, lambda iid: self.sink_kind(iid).value)
-
-    def remember_prompt(self, path: str, parsed: ParsedRequest) -> None:
-        """A request whose decision carries replication commands: keep its prompt's token ids,
-        which a warm-up copy of its prefix sends (commands name blocks, not tokens)."""
-        if self.prefix_tokens is not None and parsed.tokens is not None:
-            self.prefix_tokens.remember_request(
-                path, parsed.body, parsed.info.block_hashes, parsed.tokens, parsed.exact
-            )
-
-    def _build_sink(self, kind: ReplicationSink):
-        assert self.session is not None
-        if kind is ReplicationSink.WARMUP:
-            from backends.warmup_sink import ConductorCluster, WarmupSink
-
-            assert self.prefix_tokens is not None
-            rep = self.settings.replication
-            cluster = ConductorCluster(
-                self.conductor,
-                self.clock,
-                _UrlView(self.targets).get,
-                lambda iid: iid in self._subscribers,  # its engine's KV events reach the index
-                max_queue_s=rep.warmup_max_queue_s,
-                engine_block_tokens=self._engine_block_tokens,
-            )
-            return WarmupSink(
-                self.session,
-                cluster,
-                self.prefix_tokens,
-                kv_bytes_per_token=self._kv_bytes_per_token(),
-                timeout_s=rep.timeout_s,
-                max_retries=rep.max_retries,
-            )
-        if kind is ReplicationSink.ENGINE:
-            from backends.engine_sink import EngineFetchSink
-
-            rep = self.settings.replication
-            return EngineFetchSink(
-                self.session,
-                _UrlView(self.targets),
-                kv_bytes_per_token=self._kv_bytes_per_token(),
-                timeout_s=rep.timeout_s,
-                max_retries=rep.max_retries,
-            )
-        from backends.mooncake_store import MooncakeStoreConfig, MooncakeStoreSink
-
-        rep = self.settings.replication
-        config = MooncakeStoreConfig(master_addr=rep.store_master_addr, segments=rep.store_segments)
-        return MooncakeStoreSink(config, rep)
-
     def _engine_block_tokens(self, instance_id: str) -> int | None:
         """The engine's KV block size as its /metrics state it (vLLM, SGLang); None if unknown."""
         load = self.scraper.latest(instance_id, self.clock()) if self.scraper else None
         return load.block_size if load is not None else None
-
-    def _kv_bytes_per_token(self) -> dict[str, int]:
-        return {
-            iid: inst.predictors.profile.kv_bytes_per_token
-            for iid, inst in self.conductor.instances.items()
-        }
-
-    def execute_replications(
-        self, commands: tuple[ReplicationCommand, ...]
-    ) -> list[asyncio.Task[bool]]:
-        """Start every command in the background; returns the tasks of the pulls a request is
-        waiting for (its own prefix), so the proxy can let its prefill start after them."""
-        waits = []
-        for cmd in commands:
-            entry = {
-                "command_id": cmd.command_id,
-                "source": cmd.source,
-                "destination": cmd.destination,
-                "blocks": len(cmd.block_hashes),
-                "tokens": cmd.tokens,
-                "reason": cmd.reason.value,
-                "request_id": cmd.request_id,
-                "prefix_key": cmd.prefix_key,
-                "issued_s": cmd.issued_s,
-                "sink": self.sink_kind(cmd.destination).value,
-                "state": "in_flight",
-                "attempts": 1,
-                "latency_s": None,
-                "error": None,
-            }
-            self.replications.append(entry)
-            if self._sink is None or entry["sink"] == ReplicationSink.DRY_RUN.value:
-                entry["state"] = "recorded"
-                self.metrics.replications.labels(cmd.reason.value, "recorded").inc()
-                self.conductor.replication_dropped(cmd.command_id)
-                continue
-            task = asyncio.create_task(self._replicate(cmd, entry))
-            self._replication_tasks.add(task)
-            task.add_done_callback(self._replication_tasks.discard)
-            if cmd.request_id is not None:
-                waits.append(task)
-        return waits
-
-    async def _replicate(self, cmd: ReplicationCommand, entry: dict[str, object]) -> bool:
-        result = await self._sink.execute(cmd)  # the sink retries within its own budget
-        now = self.clock()
-        entry.update(attempts=result.attempts, latency_s=result.latency_s, error=result.error)
-        if not result.executed:
-            entry["state"] = "not_executed"
-            self.conductor.replication_dropped(cmd.command_id)
-            return False
-        # Store copies land in the shared store tier, engine pulls in the destination's GPU.
-        tier = (
-            Tier.STORE
-            if self.sink_kind(cmd.destination) is ReplicationSink.MOONCAKE_STORE
-            else Tier.GPU
-        )
-        retry = self.conductor.replication_done(cmd.command_id, result.ok, now, tier)
-        if retry is not None:  # the sink already spent the retries: release the slot
-            self.conductor.replication_dropped(retry.command_id)
-        state = "confirmed" if result.ok else result.outcome.value
-        entry["state"] = state
-        self.metrics.replications.labels(cmd.reason.value, state).inc()
-        if result.ok:
-            self.metrics.replicated_bytes.inc(result.bytes)
-            self.metrics.replication_latency.observe(result.latency_s)
-        return result.ok
 
     # ------------------------------------------------------------------ KV events
     def _on_kv_events(self, instance_id: str, events: list[EngineEvent]) -> None:
@@ -408,15 +319,13 @@ class Gateway:
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self._sink = self._make_sink()
-        if hasattr(self._sink, "start"):
-            await self._sink.start()
+        await self.replicator.start(self.session)
         srv = self.settings.server
         self.health = HealthChecker(
             self.session,
             self._http_targets(),
             interval_s=srv.health_interval_s,
-            timeout_s=min(2.0, srv.health_interval_s),
+            timeout_s=srv.health_timeout_s,
             on_change=self.on_health_change,
             clock=self.clock,
         )
@@ -459,6 +368,8 @@ class Gateway:
             self.metrics.engine_metrics_understood.labels(iid).set(1 if load.understood else 0)
             spec = self.specs.get(iid)
             capacity = load.capacity_tokens
+            if load.slots and self.settings.routing.llamacpp_slot_affinity:
+                self.slot_book.set_slots(iid, load.slots)
             if capacity and spec is not None and spec.capacity_tokens is None:
                 self.conductor.set_capacity(iid, capacity)
 
@@ -482,16 +393,16 @@ class Gateway:
 
     async def shutdown(self) -> None:
         self._stop.set()
+        if self.health is not None:
+            self.health.cancel_probes()
         for sub in self._subscribers.values():
             sub.close()
-        for task in (*self._tasks, *self._replication_tasks):
+        for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if hasattr(self._sink, "close"):
-            with contextlib.suppress(Exception):
-                await self._sink.close()
+        await self.replicator.close()
         if self.session is not None:
             await self.session.close()
         self.client.close()

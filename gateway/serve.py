@@ -1,10 +1,34 @@
-"""`kvgate serve`: run the gateway with uvicorn (uvloop + httptools when available)."""
+"""`kvgate serve`: run the gateway with uvicorn (uvloop + httptools when available).
+
+Signals are the gateway's own, handled on the event loop (``loop.add_signal_handler``, never
+a blocking call in a handler), not uvicorn's: uvicorn's SIGTERM closes the listening socket
+at once (new clients get "connection refused", not an answer saying why) and re-raises the
+signal once it has stopped, so the process ends by the signal rather than with exit code 0.
+
+- SIGTERM or SIGINT: drain (gateway/drain.py): new requests get 503 + Retry-After, answers in
+  flight may finish for ``server.drain_timeout_s``, the rest end with a clean error; then the
+  server stops and the process exits 0. A second SIGTERM/SIGINT stops at once.
+- SIGHUP: reload the config file (gateway/reload.py), validated like at start-up; a bad
+  file changes nothing and is logged with its file and line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
+import signal
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from gateway.app import GatewayApp
+
+log = logging.getLogger("kvgate.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,6 +36,73 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="listen address (default: server.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default: server.port, 8000)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _server_class() -> type[uvicorn.Server]:
+    import uvicorn
+
+    class GatewayServer(uvicorn.Server):
+        """uvicorn's server without its signal handlers (the gateway installs its own)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return GatewayServer
+
+
+class Lifecycle:
+    """The gateway's answers to signals, on the event loop."""
+
+    def __init__(self, app: GatewayApp, server: uvicorn.Server) -> None:
+        self.app, self.server = app, server
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._stopping = False
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def stop(self) -> None:
+        if self._stopping:  # the second signal: stop now, whatever is still in flight
+            log.warning("second stop signal: exiting without waiting")
+            self.app.gateway.drain.abort_all()
+            self.server.should_exit = self.server.force_exit = True
+            return
+        self._stopping = True
+        self._spawn(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        gw = self.app.gateway
+        timeout = gw.settings.server.drain_timeout_s
+        log.warning(
+            "stop signal: draining %d requests in flight (up to %.1f s)", gw.drain.active, timeout
+        )
+        report = await gw.drain.run(timeout)
+        log.warning(
+            "drained in %.2f s: %d finished, %d aborted",
+            report.waited_s,
+            report.finished,
+            report.aborted,
+        )
+        self.server.should_exit = True
+
+    def reload(self) -> None:
+        from gateway.reload import reload_config
+
+        self._spawn(reload_config(self.app.gateway))
+
+
+async def serve(app: GatewayApp, config: uvicorn.Config) -> None:
+    server = _server_class()(config)
+    Lifecycle(app, server).install(asyncio.get_running_loop())
+    await server.serve()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -27,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, PolicyError, OSError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
+    app.gateway.config_path = args.config
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     from gateway.runtime import tune_gc
 
@@ -39,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
         f"(policy {settings.routing.policy}, admission {settings.admission.mode})",
         file=sys.stderr,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -48,6 +140,10 @@ def main(args: argparse.Namespace) -> int:
         proxy_headers=False,  # this is the proxy: no X-Forwarded-* rewriting per request
         server_header=False,
         lifespan="on",
+        # The drain has ended every answer by the time uvicorn stops: this only bounds
+        # connections that are still open then (idle keep-alives close at once).
         timeout_graceful_shutdown=5,
     )
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(serve(app, config))
     return 0

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.prediction_errors import prediction_errors
 from replay.results import Outcome, RunResult
 
 PREFILL_ROLES = frozenset({"prefill", "both"})
@@ -158,6 +159,8 @@ def summarize(run: RunResult, *, bucket_s: float = 10.0) -> dict[str, Any]:
         "failed": counts[Outcome.FAILED],
         "slo_met": good,
         "wasted_prefill_ratio": _ratio(after, admitted),
+        # admitted, then missed an SLO anyway (incl. refused after prefill, failed)
+        "admitted_slo_miss_ratio": _ratio(admitted - good, admitted),
         "rejections_by_reason": dict(sorted(reasons.items())),
         "ttft_slo_s": run.ttft_slo_s,
         "tbt_slo_s": run.tbt_slo_s,
@@ -187,6 +190,7 @@ def summarize(run: RunResult, *, bucket_s: float = 10.0) -> dict[str, Any]:
         "sim_speedup": _ratio(run.duration_s, run.wall_s),
         "requests_per_wall_s": _ratio(n, run.wall_s),
     }
+    out["prediction_errors"] = prediction_errors(run)
     for k, v in run.extra.items():
         out.setdefault(k, v)
     return _clean(out)

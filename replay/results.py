@@ -34,6 +34,8 @@ class RequestOutcome:
     tbt_mean_s: float | None = None  # mean time between tokens of this request
     tbt_max_s: float | None = None
     predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None  # the decode forecast admission checked
+    predicted_output_tokens: int | None = None
     transferred_bytes: float = 0.0  # prefix pulls for this request
 
     def meets_slo(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:

@@ -22,6 +22,8 @@ from replay.results import RunResult
 from replay.traces import TraceError, TraceRequest, load_trace, select
 
 _SYNTHETIC = {"synthetic:chat"}
+# Policies with a shipped overload control (admission mode "peer").
+PEER_POLICIES = ("sglang_cache_aware", "llmd_weighted", "dynamo_kv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,9 @@ def parse_run_specs(text: str, default_admission: AdmissionMode | None) -> list[
                 ) from None
         else:
             mode = default_admission or cls.native_admission
+        if mode is AdmissionMode.PEER and name not in PEER_POLICIES:
+            known = ", ".join(PEER_POLICIES)
+            raise ValueError(f"admission 'peer' in {item!r} needs a peer policy ({known})")
         specs.append(RunSpec(name, mode))
     if not specs:
         raise ValueError("no policy given")
@@ -173,6 +178,37 @@ def run_one(
     return result
 
 
+def tuned_run(
+    settings: Settings,
+    fleet: FleetSpec,
+    trace: list[TraceRequest],
+    spec: RunSpec,
+    quiet: bool,
+    ttft_after_transfer: bool = False,
+) -> RunResult:
+    """``--tune``: the peer's main threshold swept over PEER_TUNING's grid, as an operator
+    would; the run with the best goodput wins (ties: the earlier, i.e. more permissive or
+    shipped, setting). The label and ``extra["peer_setting"]`` name the winner."""
+    from replay.report import summarize
+    from routing.policies.peer_overload import PEER_TUNING
+
+    key, values = PEER_TUNING[spec.policy]
+    best: tuple[float, RunResult] | None = None
+    for value in values:
+        peer = replace(settings.admission.peer, **{key: value})
+        s = replace(settings, admission=replace(settings.admission, peer=peer))
+        result = run_one(s, fleet, trace, spec, quiet, ttft_after_transfer)
+        goodput = summarize(result)["goodput_rps"] or 0.0
+        if best is None or goodput > best[0]:
+            best = (goodput, result)
+        result.extra["peer_setting"] = f"{key}={value}"
+    assert best is not None
+    won = best[1]
+    won.label = f"{spec.label}[{won.extra['peer_setting'].split('_', 1)[1]}]"
+    won.extra["peer_tuned_over"] = ",".join(str(v) for v in values)
+    return won
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="Mooncake JSONL or CSV trace, or 'synthetic:chat'")
     p.add_argument("--config", help="kvgate TOML config (SLOs, policy parameters, predictors)")
@@ -235,6 +271,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="policy parameter (repeatable), e.g. --param macro_size=4",
     )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="for each policy+peer: sweep the peer's main overload threshold and keep the "
+        "setting with the best goodput (the label says which won)",
+    )
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -260,7 +302,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     results = [
-        run_one(settings, fleet, trace, spec, args.quiet, args.ttft_after_transfer)
+        tuned_run(settings, fleet, trace, spec, args.quiet, args.ttft_after_transfer)
+        if args.tune and spec.admission is AdmissionMode.PEER
+        else run_one(settings, fleet, trace, spec, args.quiet, args.ttft_after_transfer)
         for spec in specs
     ]
     summaries = [summarize(r) for r in results]

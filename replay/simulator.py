@@ -160,6 +160,8 @@ class Simulator:
         self._requests[rid], self._decisions[rid] = req, decision
         out.prefill_instance, out.decode_instance = decision.prefill, decision.decode
         out.predicted_ttft_s = decision.predicted_ttft_s
+        out.predicted_tbt_s = decision.predicted_tbt_s
+        out.predicted_output_tokens = decision.predicted_output_tokens
         pull = None
         for cmd in decision.replications:
             if cmd.request_id == rid:

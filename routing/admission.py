@@ -5,6 +5,9 @@
   (with the request added) breaks the SLO (Mooncake §4.2.6.1).
 - ``predictive``: like early, but the decode TBT is forecast for the moment the request
   reaches decode (Mooncake §4.2.6.3), which damps the prefill/decode load oscillation.
+- ``peer``: no SLO check; the overload control the placement policy's own system ships with
+  (SMG limiter, GIE saturation detector, Dynamo busy thresholds:
+  routing/policies/peer_overload.py), for comparing peers as they defend themselves.
 
 Priority classes keep a ``headroom`` fraction of each SLO unused: a request is admitted
 only if prediction <= (1 - headroom) * SLO, so lower classes are shed first.
@@ -13,6 +16,7 @@ only if prediction <= (1 - headroom) * SLO, so lower classes are shed first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
 from routing.types import Rejection, RejectReason, RequestInfo
@@ -59,10 +63,28 @@ def resolve_slo(req: RequestInfo, slo: SLOSettings) -> EffectiveSLO:
 
 
 class Admission:
-    __slots__ = ("settings",)
+    __slots__ = ("_peer", "_peer_policy", "settings")
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
+        self._peer: Any = None  # the peer's overload control, built for the policy in use
+        self._peer_policy: object = None
+
+    def check_peer(self, policy: object, ctx: Any, seed: int = 0) -> Rejection | None:
+        """Admission mode ``peer``: ask the overload control of ``policy``'s system.
+
+        ``ctx`` is the request's PlacementContext. The control keeps state (SMG's token
+        bucket, GIE's metric scrapes), so it is rebuilt only when the policy object changes."""
+        from routing.policies.peer_overload import build_peer_overload, peer_rejection
+
+        if self._peer is None or self._peer_policy is not policy:
+            self._peer = build_peer_overload(policy, self.settings.peer, seed)
+            self._peer_policy = policy
+        verdict = self._peer.check(ctx)
+        if verdict is None:
+            return None
+        priority = ctx.slo.priority.name if ctx.slo is not None else None
+        return peer_rejection(ctx, verdict, priority)
 
     @property
     def mode(self) -> AdmissionMode:
@@ -78,7 +100,7 @@ class Admission:
     ) -> Rejection | None:
         """``tbt_s`` is the current TBT for ``early`` and the forecast for ``predictive``."""
         s = self.settings
-        if s.mode is AdmissionMode.NONE:
+        if s.mode in (AdmissionMode.NONE, AdmissionMode.PEER):
             return None
         ttft_pred = ttft_s * s.ttft_margin
         limit = slo.ttft_limit_s

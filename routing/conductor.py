@@ -13,19 +13,20 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from config.settings import InstanceSettings, Role, Settings
+from config.settings import AdmissionMode, InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.output_length import OutputLengthPredictor
 from routing.admission import Admission, EffectiveSLO, resolve_slo
 from routing.cache_feedback import CacheFeedback, assess
 from routing.cluster import DecodeWork, InstanceState
 from routing.decode_placement import place_decode
-from routing.estimates import PrefillOption, TTFTEstimator
+from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
 from routing.hotspot import HotspotPlanner
 from routing.kv_index import KVIndex
 from routing.policies.base import PlacementContext, Policy
 from routing.policies.registry import build_policy
 from routing.types import (
+    BlockRemoved,
     BlockStored,
     Decision,
     DecisionStats,
@@ -242,7 +243,7 @@ class Conductor:
             slo,
         )
         option = self.policy.select_prefill(ctx)
-        if option.pull_source not in (None, "store") and not self.planner.can_issue(
+        if option.pull_source not in (None, STORE_SOURCE) and not self.planner.can_issue(
             option.instance.id
         ):
             option = estimator.local(option.instance)
@@ -258,7 +259,10 @@ class Conductor:
         )
         if decode is None:
             return self._reject_capacity(req, slo, option)
-        rejection = self.admission.check(req, slo, option.ttft_s, tbt_check, retry_s)
+        if self.admission.mode is AdmissionMode.PEER:
+            rejection = self.admission.check_peer(self.policy, ctx, self.settings.routing.seed)
+        else:
+            rejection = self.admission.check(req, slo, option.ttft_s, tbt_check, retry_s)
         if rejection is not None:
             self._count_rejection(rejection)
             return rejection
@@ -293,7 +297,7 @@ class Conductor:
         planner = self.planner
         rate = planner.observe(req, ctx.match, now)
         cmds: list[ReplicationCommand] = []
-        if option.pull_source not in (None, "store"):
+        if option.pull_source not in (None, STORE_SOURCE):
             cmd = planner.reactive(
                 req,
                 option.pull_source,
@@ -351,7 +355,7 @@ class Conductor:
         decode = self.instances[decision.decode]
         record = RequestRecord(req, decision, now)
         ready = now + decision.predicted_transfer_s
-        if decision.pull_source not in (None, "store"):
+        if decision.pull_source not in (None, STORE_SOURCE):
             record.pull_bytes = prefill.predictors.link.bytes_for(decision.cached_tokens)
             prefill.inbound_bytes += record.pull_bytes
             self.stats.transfers += 1
@@ -475,6 +479,11 @@ class Conductor:
     def kv_event(self, instance_id: str, event: KVEvent, now: float) -> None:
         self._event_fed.add(instance_id)
         self.index.apply(instance_id, event, now)
+
+    def evict(self, instance_id: str, block_hashes: tuple[int, ...], now: float) -> None:
+        """The gateway knows the engine dropped these blocks without an event saying so (a
+        llama.cpp slot it reused for another prompt); the instance stays feedback-corrected."""
+        self.index.apply(instance_id, BlockRemoved(block_hashes), now)
 
     def store_event(self, event: KVEvent) -> None:
         self.index.apply_store(event)

@@ -36,10 +36,16 @@ def token_ids(tokenizer: EngineTokenizer, text: str, *, add_special_tokens: bool
     """``tokenizer.encode(text).ids`` through ``encode_batch_fast`` where the library has it
     (tokenizers >= 0.21): the same ids without computing character offsets, ~25% less CPU."""
     fast = getattr(tokenizer, "encode_batch_fast", None)
-    if fast is not None:
-        ids: list[int] = fast([text], add_special_tokens=add_special_tokens)[0].ids
-        return ids
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    try:
+        if fast is not None:
+            ids: list[int] = fast([text], add_special_tokens=add_special_tokens)[0].ids
+            return ids
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    except TypeError:
+        # tokenizers refuses a str holding a lone surrogate with a TypeError: raise what
+        # str.encode (and so every other encoder) raises for it, UnicodeEncodeError.
+        text.encode()
+        raise
 
 
 _PROBES = (

@@ -130,6 +130,7 @@ class RejectReason(StrEnum):
     NO_HEALTHY_DECODE = "no_healthy_decode"
     KV_CAPACITY = "kv_capacity"
     PROMPT_TOO_LONG = "prompt_too_long"
+    PEER_OVERLOAD = "peer_overload"  # admission mode "peer": a peer router's own limiter
 
 
 @dataclass(frozen=True, slots=True)

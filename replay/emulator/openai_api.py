@@ -142,7 +142,9 @@ def parse_request(
     max_tokens = _positive_int(body, "max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = _positive_int(body, "max_tokens") or default_max_tokens
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # vLLM: boolean or null, default false
+        stream = False
     if not isinstance(stream, bool):
         raise RequestError(400, "stream must be a boolean", "stream")
     options = body.get("stream_options") or {}

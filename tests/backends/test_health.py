@@ -214,7 +214,7 @@ def test_timeouts_and_refused_connections_are_failures_probed_concurrently() -> 
             assert await hc.check_once() == {"ok": True, "hang": False, "refused": False}
             assert loop.time() - started < 1.0  # one timeout for the round, not one per target
             assert sorted(changes) == [("hang", False), ("ok", True), ("refused", False)]
-            assert hc.status["hang"].last_error == "timeout"
+            assert (hc.status["hang"].last_error or "").startswith("timeout")
             assert (hc.status["refused"].last_error or "").startswith("ClientConnector")
 
     arun(main())
@@ -287,3 +287,111 @@ def test_mark_unhealthy_requires_consecutive_successes_to_come_back() -> None:
         return changes
 
     assert asyncio.run(run())[-1] == ("a", True)
+
+
+# --- refused vs slow (issue 12) -------------------------------------------------------------
+
+
+def test_trip_opens_the_breaker_at_once_and_stragglers_do_not_extend_it() -> None:
+    cb = CircuitBreaker(BreakerConfig(failure_threshold=10, window_s=60, open_s=5))
+    cb.trip(1.0)
+    assert cb.state_at(1.0) is BreakerState.OPEN and cb.opened_count == 1
+    cb.trip(3.0)  # already open: same period, not counted twice
+    assert cb.opened_count == 1
+    assert cb.state_at(6.0) is BreakerState.HALF_OPEN  # 5 s after the first trip
+
+
+def test_a_refused_connection_ejects_at_once_a_slow_answer_only_after_three() -> None:
+    async def main() -> None:
+        changes: list[tuple[str, bool]] = []
+        now = [0.0]
+        async with engines("slow") as e, aiohttp.ClientSession() as session:
+            hc = HealthChecker(
+                session,
+                {"slow": e.url("slow"), "gone": e.url("gone")},
+                interval_s=1.0,
+                timeout_s=0.1,
+                on_change=lambda i, ok: changes.append((i, ok)),
+                clock=lambda: now[0],
+            )
+            assert await hc.check_once() == {"slow": True, "gone": True}
+            # "gone" stops listening: the next probe is refused and ejects it at once.
+            hc.set_targets({"slow": e.url("hang"), "gone": f"http://127.0.0.1:{unused_port()}"})
+            hc._health["slow"].healthy = True  # same instance, now answering late
+            now[0] = 1.0
+            # One refused probe ejects; one late answer does not.
+            assert await hc.check_once() == {"slow": True, "gone": False}
+            assert ("gone", False) in changes
+            now[0] = 2.0
+            assert (await hc.check_once())["slow"] is True  # a second late answer: still in
+            now[0] = 3.0
+            assert (await hc.check_once())["slow"] is False
+            assert (hc.status["slow"].last_error or "").startswith("timeout (0.1 s)")
+
+    arun(main())
+
+
+def test_late_probes_do_not_eject_an_engine_that_answers_real_traffic() -> None:
+    async def main() -> None:
+        changes: list[tuple[str, bool]] = []
+        now = [0.0]
+        async with engines("hang") as e, aiohttp.ClientSession() as session:
+            hc = HealthChecker(
+                session,
+                {"busy": e.url("hang")},
+                interval_s=1.0,
+                timeout_s=0.05,
+                on_change=lambda i, ok: changes.append((i, ok)),
+                clock=lambda: now[0],
+            )
+            hc._health["busy"].healthy = True
+            for t in range(1, 6):
+                now[0] = float(t)
+                hc.mark_alive("busy", now[0] - 0.5)  # a request got its answer meanwhile
+                assert (await hc.check_once())["busy"] is True
+            assert changes == []
+            # Traffic stops getting answers: the late probes count again.
+            for t in range(6, 9):
+                now[0] = float(t)
+                await hc.check_once()
+            assert changes == [("busy", False)]
+
+    arun(main())
+
+
+def test_probe_now_probes_one_instance_once_at_a_time() -> None:
+    async def main() -> None:
+        changes: list[tuple[str, bool]] = []
+        async with engines("a") as e, aiohttp.ClientSession() as session:
+            hc = HealthChecker(
+                session,
+                {"a": e.url("a"), "dead": f"http://127.0.0.1:{unused_port()}"},
+                interval_s=60.0,
+                timeout_s=1.0,
+                on_change=lambda i, ok: changes.append((i, ok)),
+                clock=lambda: 0.0,
+            )
+            assert hc.probe_now("unknown") is None
+            first = hc.probe_now("dead")
+            assert first is not None and hc.probe_now("dead") is first  # deduplicated
+            await first
+            assert changes == [("dead", False)]
+            task = hc.probe_now("a")
+            assert task is not None
+            await task
+            assert e.calls == {"a": 1} and hc.healthy("a") is True
+            hc.cancel_probes()
+
+    arun(main())
+
+
+def test_set_timing_validates_and_applies() -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            hc = HealthChecker(session, {}, on_change=lambda i, ok: None, clock=lambda: 0.0)
+            hc.set_timing(3.0, 7.5)
+            assert (hc.interval_s, hc.timeout_s) == (3.0, 7.5)
+            with pytest.raises(ValueError):
+                hc.set_timing(1.0, 0.0)
+
+    arun(main())

@@ -157,6 +157,28 @@ def test_sends_the_prefix_token_ids_as_a_one_token_completion() -> None:
     assert engine.request_ids == ["kvgate-warmup-rep-1"]
 
 
+def test_a_llamacpp_destination_gets_the_slot_the_gateway_pins_and_releases_it() -> None:
+    engine = FakeEngine()
+    pins: list[tuple[str, str, tuple[int, ...]]] = []
+    unpins: list[str] = []
+
+    def pin(rid: str, instance: str, blocks) -> int:
+        pins.append((rid, instance, tuple(blocks)))
+        return 1
+
+    async def run(url, session):
+        sink = _sink(session, StubCluster({"b": url}), pin=pin, unpin=unpins.append)
+        return await sink.execute(_cmd())
+
+    res = asyncio.run(_with_engine(engine, run))
+    assert res.outcome is Outcome.OK
+    [body] = engine.bodies
+    assert body["id_slot"] == 1
+    # The slot learns the whole prefix chain from its first block, not only the copied blocks.
+    assert pins == [("kvgate-warmup-rep-1", "b", tuple(HASHES))]
+    assert unpins == ["kvgate-warmup-rep-1"]
+
+
 def test_a_shorter_prefix_sends_only_its_own_tokens() -> None:
     engine = FakeEngine()
 
@@ -429,10 +451,11 @@ def test_a_pool_chooses_its_sink_and_others_keep_the_default(tmp_path) -> None:
     assert s.pools[1].replication_sink is None
     assert s.replication.warmup_max_queue_s == 0.2
     gw = Gateway(s)
-    assert gw.sink_kind("l0") is ReplicationSink.WARMUP
-    assert gw.sink_kind("e0") is ReplicationSink.ENGINE
-    assert gw.prefix_tokens is not None  # a warm-up pool: the gateway keeps prompt tokens
-    assert Gateway(replace(s, pools=s.pools[1:])).prefix_tokens is None
+    assert gw.replicator.sink_kind("l0") is ReplicationSink.WARMUP
+    assert gw.replicator.sink_kind("e0") is ReplicationSink.ENGINE
+    # a warm-up pool: the gateway keeps prompt tokens
+    assert gw.replicator.prefix_tokens is not None
+    assert Gateway(replace(s, pools=s.pools[1:])).replicator.prefix_tokens is None
 
 
 def test_a_decode_pool_cannot_name_a_sink(tmp_path) -> None:

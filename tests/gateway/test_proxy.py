@@ -182,7 +182,7 @@ def test_admission_headers_priority_and_slo_overrides() -> None:
 
 
 def test_request_ids_are_unique_32_hex_digits() -> None:
-    from gateway.proxy import new_request_id
+    from gateway.answers import new_request_id
 
     ids = {new_request_id() for _ in range(1000)}
     assert len(ids) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

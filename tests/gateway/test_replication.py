@@ -48,12 +48,12 @@ def test_engine_sink_copies_a_prefix_and_both_instances_then_hit_it() -> None:
                     gw.clock(),
                 )
                 # A proactive copy runs in the background: no request waits for it.
-                assert gw.execute_replications((cmd,)) == []
+                assert gw.replicator.execute((cmd,)) == []
                 for _ in range(200):
                     await asyncio.sleep(0.02)
-                    if gw.replications[-1]["state"] != "in_flight":
+                    if gw.replicator.log[-1].state != "in_flight":
                         break
-                entry = gw.replications[-1]
+                entry = gw.replicator.log[-1]
                 # The destination engine now serves the prompt from its cache.
                 async with s.post(
                     stack.emulators[other].url + "/v1/completions",
@@ -67,8 +67,8 @@ def test_engine_sink_copies_a_prefix_and_both_instances_then_hit_it() -> None:
             await stack.stop()
 
     entry, usage, held, metrics = asyncio.run(run())
-    assert entry["state"] == "confirmed", entry
-    assert entry["latency_s"] > 0
+    assert entry.state == "confirmed", entry
+    assert entry.latency_s > 0
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 63 * 16
     assert sorted(held) == ["p0", "p1"]
     assert 'kvgate_replication_commands_total{reason="proactive",state="confirmed"} 1.0' in metrics
@@ -98,13 +98,13 @@ def test_failed_copy_leaves_the_index_unchanged() -> None:
                 blocks[-1],
                 gw.clock(),
             )
-            gw.execute_replications((cmd,))
+            gw.replicator.execute((cmd,))
             for _ in range(200):
                 await asyncio.sleep(0.02)
-                if gw.replications[-1]["state"] != "in_flight":
+                if gw.replicator.log[-1].state != "in_flight":
                     break
             return (
-                gw.replications[-1],
+                gw.replicator.log[-1],
                 gw.conductor.index.holds("p1", blocks[-1]),
                 len(gw.conductor.planner.in_flight),
             )
@@ -112,5 +112,5 @@ def test_failed_copy_leaves_the_index_unchanged() -> None:
             await stack.stop()
 
     entry, held, in_flight = asyncio.run(run())
-    assert entry["state"] == "failed" and entry["attempts"] == 2
+    assert entry.state == "failed" and entry.attempts == 2
     assert not held and in_flight == 0

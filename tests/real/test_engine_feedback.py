@@ -1,7 +1,8 @@
 """kvgate in front of one real llama-server (``-np 2 --cache-ram 0``): its metrics are
 understood (running/waiting, the slot layout as KV capacity), a prompt longer than the context
-gets the engine's 400 and leaves nothing in the cache view, and the engine's cached-token
-reports keep kvgate's hit ratio close to the engine's own.
+gets the engine's 400 and leaves nothing in the cache view, the engine's cached-token reports
+keep kvgate's hit ratio close to the engine's own, and slot affinity (``id_slot``) keeps a hot
+prefix from evicting the other slot's.
 
 Prompts are token ids drawn from the tiny model's vocabulary, so kvgate and the engine count
 the same tokens without tokenizer files.
@@ -53,12 +54,12 @@ def llama(llamacpp_install: EngineInstall) -> Iterator[EngineProcess]:
     stop_engine(proc)
 
 
-def _settings(engine: EngineProcess) -> Settings:
+def _settings(engine: EngineProcess, slot_affinity: bool = True) -> Settings:
     base = Settings()
     inst = InstanceSettings("l0", engine.url, Role.BOTH, engine=EngineKind.LLAMACPP)
     return replace(
         base,
-        routing=replace(base.routing, block_size=16),
+        routing=replace(base.routing, block_size=16, llamacpp_slot_affinity=slot_affinity),
         admission=replace(base.admission, mode=AdmissionMode.NONE),
         pools=(PoolSettings("llama", Role.BOTH, (inst,)),),
         server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),
@@ -66,8 +67,10 @@ def _settings(engine: EngineProcess) -> Settings:
 
 
 @asynccontextmanager
-async def _gateway(engine: EngineProcess) -> AsyncIterator[tuple[GatewayApp, str]]:
-    app = build_app(_settings(engine))
+async def _gateway(
+    engine: EngineProcess, slot_affinity: bool = True
+) -> AsyncIterator[tuple[GatewayApp, str]]:
+    app = build_app(_settings(engine, slot_affinity))
     (port,) = free_ports(1, 18350, 18400)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -83,9 +86,13 @@ async def _gateway(engine: EngineProcess) -> AsyncIterator[tuple[GatewayApp, str
 
 
 async def _complete(
-    s: aiohttp.ClientSession, url: str, prompt: list[int], stream: bool = False
+    s: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    stream: bool = False,
+    max_tokens: int = 2,
 ) -> tuple[int, dict[str, Any]]:
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     async with s.post(url + "/v1/completions", json=body) as r:
@@ -179,4 +186,44 @@ def test_engine_reports_keep_kvgate_hit_ratio_close_to_the_engines(llama: Engine
     assert engine_ratio == pytest.approx(engine / prompt, abs=0.02)
     assert engine_ratio > 0.2  # the workload does hit the cache
     assert abs(kvgate_ratio - engine_ratio) <= 0.1, (kvgate_ratio, engine_ratio)
-    assert _gauge(metrics, "kvgate_cache_view_dropped_blocks_total") > 0  # evictions learned
+    # evictions learned: from the engine's reports, or up front from the slots kvgate reused
+    learned = _gauge(metrics, "kvgate_cache_view_dropped_blocks_total")
+    learned += _gauge(metrics, "kvgate_cache_view_slot_evicted_blocks_total")
+    assert learned > 0
+
+
+@pytest.mark.parametrize("affinity", [True, False], ids=["slot_affinity", "engine_picks"])
+def test_a_repeat_waits_for_its_busy_slot_instead_of_evicting_the_other(
+    llama: EngineProcess, affinity: bool
+) -> None:
+    # Slot x holds prefix A, slot y prefix B. Two A requests arrive together: llama-server alone
+    # gives the second the idle slot y (overwriting B); pinned to x, it waits and B survives.
+    seed = 400 if affinity else 500
+    a, b = _ids(seed + 1, 800), _ids(seed + 2, 800)
+
+    async def run() -> tuple[int, int]:
+        async with _gateway(llama, affinity) as (app, url), aiohttp.ClientSession() as s:
+            book = app.gateway.slot_book
+            for _ in range(100):
+                if "l0" in book.instances or not affinity:
+                    break
+                await asyncio.sleep(0.05)
+            assert ("l0" in book.instances) == affinity
+            for prompt in (a, b):
+                status, _ = await _complete(s, url, prompt + _ids(seed + 3, 20))
+                assert status == 200
+            answers = await asyncio.gather(
+                _complete(s, url, a + _ids(seed + 4, 20), max_tokens=200),
+                _complete(s, url, a + _ids(seed + 5, 20)),
+            )
+            assert [st for st, _ in answers] == [200, 200]
+            status, again = await _complete(s, url, b + _ids(seed + 6, 20))
+            assert status == 200
+            assert book.held == 0  # every pin released
+            return again["usage"]["prompt_tokens_details"]["cached_tokens"], len(b)
+
+    cached, prefix = asyncio.run(run())
+    if affinity:
+        assert cached >= prefix - 16, cached  # B stayed in its slot
+    else:
+        assert cached < prefix // 2, cached  # the engine gave B's slot to the second A

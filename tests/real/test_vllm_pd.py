@@ -39,7 +39,7 @@ pytestmark = pytest.mark.real_engine
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 10
 # ~3,400 tokens: a prefill long enough (~0.7 s here) for a client to leave while it runs.
 LONG_TEXT = " ".join(f"word{i}" for i in range(500))
-FREED_WITHIN_S = 10.0  # well inside vLLM 0.32's 30 s KV lease on the prefill side
+FREED_WITHIN_S = 20.0  # inside vLLM 0.32's 30 s KV lease on the prefill side (slack: busy box)
 
 
 @dataclass(frozen=True)

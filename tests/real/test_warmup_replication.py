@@ -213,26 +213,27 @@ def test_gateway_replicates_through_the_pools_warmup_sink(llama_pair) -> None:
             )
             assert cmd is not None and cmd.destination == "dst"
             held_before = conductor.index.holds("dst", cmd.prefix_key)
-            gw.remember_prompt("/v1/completions", parsed)  # what the proxy does with commands
-            assert gw.execute_replications((cmd,)) == []  # proactive: nobody waits for it
+            # what the proxy does with a decision that carries commands
+            gw.replicator.remember_prompt("/v1/completions", parsed)
+            assert gw.replicator.execute((cmd,)) == []  # proactive: nobody waits for it
             for _ in range(600):
-                if gw.replications[-1]["state"] != "in_flight":
+                if gw.replicator.log[-1].state != "in_flight":
                     break
                 await asyncio.sleep(0.1)
-            return gw.replications[-1], held_before, conductor.index.holds("dst", cmd.prefix_key)
+            return gw.replicator.log[-1], held_before, conductor.index.holds("dst", cmd.prefix_key)
         finally:
             await gw.shutdown()
 
     entry, held_before, held_after = asyncio.run(run())
-    assert entry["sink"] == "warmup"
-    assert entry["state"] == "confirmed", entry
+    assert entry.sink == "warmup"
+    assert entry.state == "confirmed", entry
     assert not held_before and held_after
     after = _complete(dst.url, PREFIX + _ids(21, 40))
     assert after["timings"]["cache_n"] >= PREFIX_TOKENS
     assert _cached_total(dst.url) - hits_before >= PREFIX_TOKENS
     print(
-        f"\ngateway warm-up: {entry['tokens']} tokens in {entry['blocks']} blocks, "
-        f"{float(entry['latency_s']) * 1e3:.1f} ms, state {entry['state']}; next request's "
+        f"\ngateway warm-up: {entry.tokens} tokens in {entry.blocks} blocks, "
+        f"{float(entry.latency_s) * 1e3:.1f} ms, state {entry.state}; next request's "
         f"cache_n on the destination {after['timings']['cache_n']}"
     )
 
@@ -319,10 +320,10 @@ def test_warmup_on_vllm_is_confirmed_by_its_kv_events(vllm_destination) -> None:
             )
             assert cmd is not None and cmd.destination == "dst"
             assert cmd.tokens == len(VLLM_PREFIX) and len(cmd.block_hashes) == 33
-            gw.remember_prompt("/v1/completions", parsed)
-            gw.execute_replications((cmd,))
+            gw.replicator.remember_prompt("/v1/completions", parsed)
+            gw.replicator.execute((cmd,))
             for _ in range(600):
-                if gw.replications[-1]["state"] != "in_flight":
+                if gw.replicator.log[-1].state != "in_flight":
                     break
                 await asyncio.sleep(0.1)
             index = conductor.index
@@ -330,18 +331,18 @@ def test_warmup_on_vllm_is_confirmed_by_its_kv_events(vllm_destination) -> None:
                 index.holds("dst", h) and not index.is_predicted("dst", h)
                 for h in cmd.block_hashes[: VLLM_CACHEABLE // BS]
             )
-            return gw.replications[-1], confirmed, index.holds("src", cmd.prefix_key)
+            return gw.replicator.log[-1], confirmed, index.holds("src", cmd.prefix_key)
         finally:
             await gw.shutdown()
 
     entry, confirmed, _ = asyncio.run(run())
-    assert entry["state"] == "confirmed", entry
+    assert entry.state == "confirmed", entry
     assert confirmed
     after = _complete(dst.url, VLLM_PREFIX + [9] * 40)
     hits_after = _vllm_metric(dst.url, "vllm:prefix_cache_hits_total")
     assert hits_after - hits_before >= VLLM_CACHEABLE
     print(
-        f"\nvLLM warm-up of {entry['tokens']} tokens: {float(entry['latency_s']) * 1e3:.1f} ms "
+        f"\nvLLM warm-up of {entry.tokens} tokens: {float(entry.latency_s) * 1e3:.1f} ms "
         f"to confirmation by KV events; destination vllm:prefix_cache_hits_total "
         f"{hits_before:.0f} -> {hits_after:.0f} after one request with the prefix "
         f"(usage {after['usage']})"

@@ -77,17 +77,17 @@ def test_kvcache_centric_uses_store_tier_with_its_load_time() -> None:
 
 def test_sglang_goes_to_the_match_above_threshold_else_least_loaded() -> None:
     c = make_conductor(policy="sglang_cache_aware")
-    hold(c, "p1", prompt(1, 40))
-    assert place(c, "a", prompt(1, 64)).prefill == "p1"  # 40/64 = 0.62 > 0.3
-    hold(c, "p2", prompt(2, 10))
-    # 10/64 = 0.16 <= 0.3: least loaded (ties -> first) instead of the holder
-    assert place(c, "b", prompt(2, 10) + prompt(99, 54)).prefill == "p0"
+    place(c, "warm1", prompt(1, 40), dispatch=True)  # p0's router tree now holds family 1
+    place(c, "warm2", prompt(2, 10), dispatch=True)  # least loaded: p1's tree holds family 2
+    assert place(c, "a", prompt(1, 64)).prefill == "p0"  # 40/64 = 0.62 > 0.3
+    # 10/64 = 0.16 <= 0.3: least loaded (p2) instead of the holder p1
+    assert place(c, "b", prompt(2, 10) + prompt(99, 54)).prefill == "p2"
 
 
 def test_sglang_imbalance_rule_overrides_cache_affinity() -> None:
     c = make_conductor(policy="sglang_cache_aware", prefill=2)
-    hold(c, "p0", prompt(1, 60))
-    for i in range(70):  # 70 in flight on p0, 0 on p1: abs 70 > 64 and 70 > 1.5 * 0
+    place(c, "warm", prompt(1, 60), dispatch=True)
+    for i in range(70):  # 71 in flight on p0, 0 on p1: abs 71 > 64 and 71 > 1.5 * 0
         c.instances["p0"].enqueue_prefill(f"x{i}", 0.01, 16, 0.0, 0.0)
     assert place(c, "r", prompt(1, 64)).prefill == "p1"
 
@@ -111,10 +111,10 @@ def test_dynamo_decode_takes_the_fewest_active_blocks() -> None:
 
 def test_llmd_prefers_prefix_weight_over_queue_weight() -> None:
     c = make_conductor(policy="llmd_weighted")
-    hold(c, "p0", prompt(1, 64))
-    c.instances["p0"].enqueue_prefill("x", 0.1, 16, 0.0, 0.0)  # queue score 0 for p0
-    # p0: 2*0 + 2*kv + 3*1.0 ~ 5; p1/p2: 2*1 + 2*1 + 0 = 4
-    assert place(c, "r", prompt(1, 64)).prefill == "p0"
+    first = place(c, "warm", prompt(1, 64), dispatch=True).prefill
+    # re-scraped 100 ms later: the warm request runs on `first` (0 waiting), so queue scores
+    # tie; first: 2*1 + 2*(1 - kv) + 3*1.0 ~ 7; others: 2 + 2 + 0 = 4
+    assert place(c, "r", prompt(1, 64), now=0.1).prefill == first
 
 
 def test_default_decode_choice_is_lowest_predicted_tbt() -> None:

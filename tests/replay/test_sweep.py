@@ -1,0 +1,58 @@
+"""``kvgate sim sweep``: every point runs every entry, next to a bound none of them exceeds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+from replay.synthetic import chat_spec, generate, write_mooncake
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "chat.jsonl"
+    write_mooncake(generate(chat_spec(requests=150, rate_rps=20.0, seed=2)), path)
+    return path
+
+
+def test_sweep_writes_points_with_bound_and_plots(trace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "sweep.json"
+    rc = main(
+        [
+            "sim", "sweep", str(trace),
+            "--prefill", "1", "--decode", "1", "--profile", "llama3-8b-h100-tp1",
+            "--speeds", "1,8", "--ttft-slos", "1,5",
+            "--compare", "kvcache_centric+early,round_robin+none",
+            "--json", str(out), "--plots", str(tmp_path / "plots"), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [(p["speed"], p["ttft_slo_s"]) for p in report["points"]] == [
+        (1.0, 1.0), (1.0, 5.0), (8.0, 1.0), (8.0, 5.0)
+    ]  # fmt: skip
+    for point in report["points"]:
+        bound = point["bound"]["goodput_rps"]
+        assert [r["label"] for r in point["runs"]] == ["kvcache_centric+early", "round_robin+none"]
+        for run in point["runs"]:
+            assert run["goodput_rps"] <= bound + 1e-9
+            assert 0 <= run["fraction_of_bound"] <= 1
+    # More load, same SLO: the bound grows with the arrival rate until capacity binds.
+    by = {(p["speed"], p["ttft_slo_s"]): p["bound"]["goodput_rps"] for p in report["points"]}
+    assert by[(8.0, 5.0)] > by[(1.0, 5.0)]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "sweep_goodput_rps.png", "sweep_ttft_p90_s.png", "sweep_wasted_prefill_ratio.png"
+    ]  # fmt: skip
+    assert "of bound" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--speeds", "1,-2"], "--speeds"), (["--ttft-slos", "x"], "--ttft-slos")],
+)
+def test_bad_grid_exits_2_naming_the_option(trace: Path, capsys, args, needle) -> None:
+    assert main(["sim", "sweep", str(trace), "--quiet", *args]) == 2
+    assert needle in capsys.readouterr().err
