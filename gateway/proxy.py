@@ -197,7 +197,6 @@ class CompletionHandler:
             asyncio.get_running_loop().call_soon(self._account, decision, record, decision_s)
             try:
                 upstream = await self._open(parsed, path, raw, decision)
-                break
             except asyncio.CancelledError:  # the server gave up on the request (shutdown)
                 gw.unpin_slot(rid)
                 gw.conductor.failed(rid, gw.clock())
@@ -221,7 +220,17 @@ class CompletionHandler:
                 self._count(self._upstream_error, parsed, "upstream_error")
                 await self._send_upstream_error(send, exc, rid)
                 return
-        await self._relay(parsed, upstream, decision, record, receive, send)
+            failed = await self._relay(
+                parsed, upstream, decision, record, receive, send, may_retry=retries > 0
+            )
+            if failed is None:
+                return
+            # The engine failed before any byte of its answer reached the client (e.g. killed
+            # after its response headers): as invisible to the client as a refused connection.
+            retries -= 1
+            failed_on |= {failed.instance_id}
+            last_error = failed
+            gw.metrics.retries.inc()
 
     async def _open(
         self, parsed: ParsedRequest, path: str, raw: bytes, d: Decision
@@ -281,7 +290,11 @@ class CompletionHandler:
         record: DecisionRecord,
         receive: Receive,
         send: Send,
-    ) -> None:
+        may_retry: bool = False,
+    ) -> UpstreamError | None:
+        """Streams the answer to the client. Returns the engine's error, with the books closed
+        and nothing sent, when it failed before the client got any byte and ``may_retry``: the
+        caller places the request again; else None (answered, or the failure was told)."""
         gw = self.gw
         rid = parsed.info.request_id
         watch = ClientWatch(receive, upstream)
@@ -335,9 +348,12 @@ class CompletionHandler:
                 await self._end_aborted(send, parsed.stream, start)
             else:
                 record.outcome = "failed"
-                self._count(self._upstream_error, parsed, "upstream_error")
                 if isinstance(exc, UpstreamError):
                     gw.leg_failed(exc.instance_id, exc.kind)
+                    if may_retry and not start.sent and exc.kind is not Failure.SILENT:
+                        return exc
+                self._count(self._upstream_error, parsed, "upstream_error")
+                if isinstance(exc, UpstreamError):
                     if start.sent:
                         await send_stream_error(send, parsed.stream, exc)
                     else:
@@ -347,6 +363,7 @@ class CompletionHandler:
         finally:
             watch.stop()
             gw.unpin_slot(rid)
+        return None
 
     async def _end_aborted(self, send: Send, stream: bool, start: ResponseStart) -> None:
         """The drain cut this answer: a clean end for the client, whatever was sent."""

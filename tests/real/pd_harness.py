@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
@@ -191,6 +192,24 @@ def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
     )
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
+
+
+def warm_nixl_handshake(gateway_url: str, tries: int = 4) -> int:
+    """One P/D request through the gateway until it succeeds; returns the attempts it took.
+
+    The first NIXL transfer between a pair makes the decode side handshake with the prefill
+    side, with a fixed 5 s receive timeout in vLLM 0.32 (nixl/base_worker.py); on a busy 2-core
+    box that can time out and the decode engine answers that request 500. vLLM handshakes again
+    on the next transfer, so the tests start from a pair that has shaken hands.
+    """
+    body = {"model": "tiny", "prompt": salted("warm up the pair"), "max_tokens": 2}
+    for attempt in range(1, tries + 1):
+        try:
+            post_json(gateway_url + "/v1/completions", body)
+            return attempt
+        except urllib.error.HTTPError:
+            time.sleep(2.0)
+    raise AssertionError(f"no P/D request succeeded in {tries} tries through {gateway_url}")
 
 
 def salted(text: str) -> str:

@@ -31,6 +31,7 @@ from tests.real.pd_harness import (
     salted,
     start_nixl_pair,
     wait_for,
+    warm_nixl_handshake,
 )
 
 pytestmark = pytest.mark.real_engine
@@ -58,6 +59,7 @@ def pd_stack(vllm_install: EngineInstall, tmp_path_factory: pytest.TempPathFacto
         config = pd_gateway_config(gw_port, prefill.url, decode.url, "nixl")
         gateway = KvgateProcess(tmp_path_factory.mktemp("pd"), "kvgate", gw_port, config)
         try:
+            warm_nixl_handshake(gateway.url)
             yield PDStack(prefill, decode, gateway.url)
         finally:
             gateway.stop()
