@@ -349,9 +349,10 @@ class Http1Client:
         head.append("\r\n")
         payload = "".join(head).encode("latin-1") + body
         loop = asyncio.get_running_loop()
+        fresh = False  # after a stale pooled connection: a new one, not the next idle one
         for _attempt in range(2):
             conn = None
-            while pool.idle:
+            while pool.idle and not fresh:
                 conn = pool.idle.pop()
                 if not conn.closed:
                     break
@@ -367,7 +368,8 @@ class Http1Client:
             except ConnectionError:
                 resp.close()
                 if reused and not resp.got_bytes:
-                    continue  # a stale keep-alive connection: once more on a new one
+                    fresh = True  # a stale keep-alive connection: once more on a new one
+                    continue
                 raise
             except BaseException:
                 resp.close()

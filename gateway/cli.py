@@ -90,45 +90,47 @@ def _replay(args: argparse.Namespace) -> int:
     return main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line. ``only`` names the one subcommand whose arguments are built (the one
+    being run: the others' modules, some importing numpy and lightgbm, stay unimported);
+    ``""`` builds none (``kvgate --help``), None all of them."""
+
+    def wanted(name: str) -> bool:
+        return only is None or only == name
+
     parser = argparse.ArgumentParser(
         prog="kvgate",
         description="KV-cache-aware admission and routing gateway for LLM inference fleets.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-
-    demo = sub.add_parser("demo", help="run a small fleet on loopback and replay a trace slice")
-    from replay.demo import add_arguments as add_demo_args
-
-    add_demo_args(demo)
-    demo.set_defaults(func=_demo)
-
-    replay_p = sub.add_parser("replay", help="open-loop live load from a trace against a gateway")
-    from replay.loadgen import add_arguments as add_replay_args
-
-    add_replay_args(replay_p)
-    replay_p.set_defaults(func=_replay)
-
-    serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible reverse proxy)")
-    from gateway.serve import add_arguments as add_serve_args
-
-    add_serve_args(serve)
-    serve.set_defaults(func=_serve)
-
-    emulate = sub.add_parser("emulate", help="run an engine emulator (vLLM/SGLang on the wire)")
-    from replay.emulator.cli import add_arguments as add_emulate_args
-
-    add_emulate_args(emulate)
-    emulate.set_defaults(func=_emulate)
-
-    profile = sub.add_parser(
-        "profile", help="measure a live engine and write a predictor profile for it"
-    )
-    from backends.profile_cli import add_arguments as add_profile_args
-
-    add_profile_args(profile)
-    profile.set_defaults(func=_profile)
+    simple = [
+        ("demo", "run a small fleet on loopback and replay a trace slice", "replay.demo", _demo),
+        (
+            "replay",
+            "open-loop live load from a trace against a gateway",
+            "replay.loadgen",
+            _replay,
+        ),
+        ("serve", "run the gateway (OpenAI-compatible reverse proxy)", "gateway.serve", _serve),
+        (
+            "emulate",
+            "run an engine emulator (vLLM/SGLang on the wire)",
+            "replay.emulator.cli",
+            _emulate,
+        ),
+        (
+            "profile",
+            "measure a live engine and write a predictor profile for it",
+            "backends.profile_cli",
+            _profile,
+        ),
+    ]
+    for name, help_text, module, func in simple:
+        p = sub.add_parser(name, help=help_text)
+        if wanted(name):
+            importlib.import_module(module).add_arguments(p)
+        p.set_defaults(func=func)
 
     cfg = sub.add_parser("config", help="check or show a configuration file")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
@@ -144,26 +146,25 @@ def build_parser() -> argparse.ArgumentParser:
     decision = bench_sub.add_parser(
         "decision", help="latency of one scheduling decision on a warmed state"
     )
-    from bench.decision import add_arguments as add_decision_args
-
-    add_decision_args(decision)
+    if wanted("bench"):
+        importlib.import_module("bench.decision").add_arguments(decision)
     decision.set_defaults(func=_bench_decision)
 
     sim = sub.add_parser(
         "sim",
-        help="replay a trace through a simulated fleet (see also: kvgate sim cache TRACE)",
+        help="replay a trace through a simulated fleet (see also: kvgate sim cache|sweep TRACE)",
         description="Replay a trace through a simulated fleet running kvgate's Conductor. "
-        "`kvgate sim cache TRACE` runs the prefix-cache hit-ratio analysis instead.",
+        "`kvgate sim cache TRACE` runs the prefix-cache hit-ratio analysis instead, "
+        "`kvgate sim sweep TRACE` a grid of loads and TTFT SLOs with the goodput upper bound.",
     )
-    from replay.sim_cli import add_arguments as add_sim_args
-
-    add_sim_args(sim)
+    if wanted("sim"):
+        importlib.import_module("replay.sim_cli").add_arguments(sim)
     sim.set_defaults(func=_sim)
 
     preds = sub.add_parser("predictors", help="train and evaluate the latency predictors")
-    from predictors.cli import add_arguments as add_predictor_args
-
-    add_predictor_args(preds.add_subparsers(dest="predictors_command", metavar="ACTION"))
+    if wanted("predictors"):
+        actions = preds.add_subparsers(dest="predictors_command", metavar="ACTION")
+        importlib.import_module("predictors.cli").add_arguments(actions)
     return parser
 
 
@@ -193,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.set_defaults(func=func)
         argv = argv[2:]
     else:
-        parser = build_parser()
+        command = next((a for a in argv if not a.startswith("-")), "")
+        parser = build_parser(command)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

@@ -145,3 +145,32 @@ def _message(what: str, predicted: float, limit: float, slo: EffectiveSLO) -> st
         f"predicted {what} {predicted * 1000:.0f} ms exceeds the {what} SLO limit"
         f" {limit * 1000:.0f} ms{extra}"
     )
+
+
+def unavailable_rejection(
+    req: RequestInfo, reason: RejectReason, slo: EffectiveSLO, retry_after_s: float
+) -> Rejection:
+    """No healthy instance of a pool the request needs (503, not the request's fault)."""
+    pool = "prefill" if reason is RejectReason.NO_HEALTHY_PREFILL else "decode"
+    return Rejection(
+        req.request_id,
+        reason,
+        f"no healthy {pool} instance is available",
+        retry_after_s,
+        priority=slo.priority.name,
+        no_capacity=True,
+    )
+
+
+def capacity_rejection(
+    req: RequestInfo, slo: EffectiveSLO, predicted_ttft_s: float, retry_after_s: float
+) -> Rejection:
+    """No decode instance can hold the prompt and its predicted output."""
+    return Rejection(
+        req.request_id,
+        RejectReason.KV_CAPACITY,
+        "no decode instance has KV cache room for the prompt and its predicted output",
+        retry_after_s,
+        predicted_ttft_s=predicted_ttft_s,
+        priority=slo.priority.name,
+    )

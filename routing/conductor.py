@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, replace
 from config.settings import AdmissionMode, InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.output_length import OutputLengthPredictor
-from routing.admission import Admission, EffectiveSLO, resolve_slo
+from routing.admission import (
+    Admission,
+    EffectiveSLO,
+    capacity_rejection,
+    resolve_slo,
+    unavailable_rejection,
+)
 from routing.cache_feedback import CacheFeedback, assess
 from routing.cluster import DecodeWork, InstanceState
 from routing.decode_placement import place_decode
@@ -267,7 +273,10 @@ class Conductor:
             self._count_rejection(rejection)
             return rejection
 
-        replications = self._plan_replication(req, ctx, option, now)
+        replications = self.planner.plan(
+            req, ctx.match, ctx.prefill_candidates, self.instances, option, now
+        )
+        self.stats.replications += len(replications)
         self.stats.decisions += 1
         return Decision(
             request_id=req.request_id,
@@ -291,57 +300,17 @@ class Conductor:
             pull_source=option.pull_source,
         )
 
-    def _plan_replication(
-        self, req: RequestInfo, ctx: PlacementContext, option: PrefillOption, now: float
-    ) -> tuple[ReplicationCommand, ...]:
-        planner = self.planner
-        rate = planner.observe(req, ctx.match, now)
-        cmds: list[ReplicationCommand] = []
-        if option.pull_source not in (None, STORE_SOURCE):
-            cmd = planner.reactive(
-                req,
-                option.pull_source,
-                option.instance.id,
-                option.pull_from_block,
-                option.cached_blocks,
-                now,
-            )
-            if cmd is not None:
-                cmds.append(cmd)
-        cmd = planner.proactive(
-            req, ctx.match, ctx.prefill_candidates, self.instances, rate, option.instance.id, now
-        )
-        if cmd is not None:
-            cmds.append(cmd)
-        self.stats.replications += len(cmds)
-        return tuple(cmds)
-
     def _reject_unavailable(
         self, req: RequestInfo, reason: RejectReason, slo: EffectiveSLO
     ) -> Rejection:
-        pool = "prefill" if reason is RejectReason.NO_HEALTHY_PREFILL else "decode"
-        rej = Rejection(
-            req.request_id,
-            reason,
-            f"no healthy {pool} instance is available",
-            self.settings.admission.retry_after_min_s,
-            priority=slo.priority.name,
-            no_capacity=True,
-        )
+        rej = unavailable_rejection(req, reason, slo, self.settings.admission.retry_after_min_s)
         self._count_rejection(rej)
         return rej
 
     def _reject_capacity(
         self, req: RequestInfo, slo: EffectiveSLO, option: PrefillOption
     ) -> Rejection:
-        rej = Rejection(
-            req.request_id,
-            RejectReason.KV_CAPACITY,
-            "no decode instance has KV cache room for the prompt and its predicted output",
-            self.settings.admission.retry_after_min_s,
-            predicted_ttft_s=option.ttft_s,
-            priority=slo.priority.name,
-        )
+        rej = capacity_rejection(req, slo, option.ttft_s, self.settings.admission.retry_after_min_s)
         self._count_rejection(rej)
         return rej
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from config.settings import ReplicationSettings
 from routing.cluster import InstanceState
+from routing.estimates import STORE_SOURCE, PrefillOption
 from routing.types import PrefixMatch, ReplicationCommand, ReplicationReason, RequestInfo
 
 _MAX_TRACKED_PREFIXES = 100_000
@@ -110,6 +112,35 @@ class HotspotPlanner:
         return cmd
 
     # ---- planning ----
+    def plan(
+        self,
+        req: RequestInfo,
+        match: PrefixMatch,
+        candidates: list[InstanceState],
+        instances: Mapping[str, InstanceState],
+        option: PrefillOption,
+        now: float,
+    ) -> tuple[ReplicationCommand, ...]:
+        """The commands one placement issues: a pull it relies on (reactive) and a proactive
+        copy of its prefix if that is hot and every holder is busy."""
+        rate = self.observe(req, match, now)
+        cmds: list[ReplicationCommand] = []
+        if option.pull_source not in (None, STORE_SOURCE):
+            cmd = self.reactive(
+                req,
+                option.pull_source,
+                option.instance.id,
+                option.pull_from_block,
+                option.cached_blocks,
+                now,
+            )
+            if cmd is not None:
+                cmds.append(cmd)
+        cmd = self.proactive(req, match, candidates, instances, rate, option.instance.id, now)
+        if cmd is not None:
+            cmds.append(cmd)
+        return tuple(cmds)
+
     def reactive(
         self,
         req: RequestInfo,
@@ -132,7 +163,7 @@ class HotspotPlanner:
         req: RequestInfo,
         match: PrefixMatch,
         candidates: list[InstanceState],
-        by_id: dict[str, InstanceState],
+        by_id: Mapping[str, InstanceState],
         rate: float,
         exclude: str | None,
         now: float,

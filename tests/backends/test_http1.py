@@ -21,6 +21,9 @@ class RawServer:
         self.requests: list[bytes] = []
         self.script = [(0.0, _json(b'{"ok":1}'))]
         self.close_after_answer = False
+        # A keep-alive timeout racing the client's next request: a connection's second request
+        # is read and the connection closed without an answer.
+        self.drop_second_request = False
         self.client_gone = asyncio.Event()
         self.server: asyncio.Server | None = None
 
@@ -30,11 +33,15 @@ class RawServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        served = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 self.requests.append(head + await reader.readexactly(length))
+                served += 1
+                if self.drop_second_request and served == 2:
+                    break
                 for delay, data in self.script:
                     if delay:  # wait, noticing a client that leaves meanwhile
                         try:
@@ -135,6 +142,34 @@ def test_stale_keep_alive_connection_is_retried_once() -> None:
     srv, out = asyncio.run(run())
     assert out == [b'{"ok":1}'] * 2
     assert srv.connections == 2
+
+
+def test_after_a_stale_pooled_connection_the_retry_opens_a_new_one() -> None:
+    # Two idle keep-alive connections in the pool, both dropped by the engine when reused: the
+    # retry must not take the second stale one ("engine closed the connection twice", seen with
+    # llama-server under load) but open a new connection.
+    async def run():
+        srv = RawServer()
+        srv.script = [(0.05, _json(b'{"ok":1}'))]
+        port = await srv.start()
+        client = Http1Client()
+        first = await asyncio.gather(
+            *(client.post("127.0.0.1", port, "/x", b"{}", {}, 5.0) for _ in range(2))
+        )
+        for resp in first:
+            await resp.read()
+            resp.close()
+        srv.drop_second_request = True
+        srv.script = [(0.0, _json(b'{"ok":1}'))]
+        resp = await client.post("127.0.0.1", port, "/x", b"{}", {}, 5.0)
+        body = await resp.read()
+        client.close()
+        await srv.stop()
+        return srv, body
+
+    srv, body = asyncio.run(run())
+    assert body == b'{"ok":1}'
+    assert srv.connections == 3  # the two pooled ones, then one new
 
 
 def test_close_mid_stream_disconnects_the_engine_and_read_timeout() -> None:
