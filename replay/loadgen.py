@@ -50,7 +50,7 @@ def prompt_ids(tr: TraceRequest, cache: dict[int, list[int]]) -> list[int]:
     return ids[: tr.input_length]
 
 
-async def _one(
+async def send_one(
     session: aiohttp.ClientSession,
     tr: TraceRequest,
     ids: list[int],
@@ -164,7 +164,7 @@ async def run_load(
             delay = tr.arrival_s * opts.time_scale - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, tr, ids, opts, start, out)))
+            tasks.append(asyncio.create_task(send_one(session, tr, ids, opts, start, out)))
         for fut in asyncio.as_completed(tasks):
             await fut
             done += 1

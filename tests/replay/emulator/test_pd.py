@@ -118,6 +118,11 @@ def test_vllm_prefill_then_decode_pulls_the_pinned_kv() -> None:
     run_pair(body, Protocol.VLLM)
 
 
+# Long enough for the decode leg to reach the pinned KV on a busy 2-core box (0.1 s was not:
+# the pin expired first and the decode answered 502), short enough to wait out in the test.
+PIN_TIMEOUT_S = 0.5
+
+
 def test_vllm_decode_refusal_pin_timeout_and_plain_requests() -> None:
     async def body(p: RunningEmulator, d: RunningEmulator, s: aiohttp.ClientSession) -> None:
         # Mooncake's decode-side check: the step time would break the TBT limit -> 503.
@@ -131,14 +136,19 @@ def test_vllm_decode_refusal_pin_timeout_and_plain_requests() -> None:
         # KV nobody pulls is freed after the abort timeout.
         await prefill_leg(p, s, "b")
         assert len(p.state.pinned) == 1
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(PIN_TIMEOUT_S * 2)
         assert len(p.state.pinned) == 0
         # A plain request on a decode instance is served colocated (as vLLM does).
         async with s.post(f"{d.url}/v1/completions", json={"prompt": "hi " * 50}) as r:
             assert r.status == 200
             assert (await r.json())["usage"]["completion_tokens"] == 16
 
-    run_pair(body, Protocol.VLLM, prefill={"pin_timeout_s": 0.1}, decode={"decode_tbt_limit_ms": 1})
+    run_pair(
+        body,
+        Protocol.VLLM,
+        prefill={"pin_timeout_s": PIN_TIMEOUT_S},
+        decode={"decode_tbt_limit_ms": 1},
+    )
 
 
 def test_sglang_bootstrap_legs_run_concurrently() -> None:

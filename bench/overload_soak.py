@@ -1,0 +1,354 @@
+"""Overload and soak benchmarks of the live gateway on an emulated fleet (issue 12, item 3).
+
+Engine emulators and one ``kvgate serve`` run as child processes on 127.0.0.1
+(``bench.emulated_fleet``); open-loop Poisson load (``replay.loadgen``'s request client) drives
+the gateway at rates relative to the fleet's capacity ``1x``: given (``--rate-1x``), or probed
+(the highest rate on a short geometric ladder where admission ``early`` serves >= 95 % of all
+requests within the SLOs).
+
+* ``overload``: 1x for ``--minutes``, then 3x for ``--minutes``. Goodput (requests/s within
+  the SLOs) of each phase and their ratio (target >= 0.9), how fast rejections are answered as
+  the client sees them (p50/p99, target p99 <= 5 ms), gateway RSS over time, books at the end.
+* ``soak``: 1x for ``--minutes``. Gateway RSS every ``--sample-s`` seconds and its growth after
+  the warm-up (the first 20 %; target <= 5 %), KV index size and decision history over time
+  (bounded), books at the end (back to zero).
+
+    python -m bench.overload_soak overload --minutes 5 --json out/overload.json
+    python -m bench.overload_soak soak --minutes 30 --rate-1x 4 --json out/soak.json
+
+The defaults (1 prefill + 1 decode emulated llama3-8b H100 engines at real speed, ~4k-token
+prompts, 64 output tokens, TTFT SLO 1 s) keep the rates low (1x is ~4 req/s), so the client,
+the gateway and the engines fit on a small shared machine.
+
+Every loop is bounded in count and time; every child process is ended by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.emulated_fleet import EmulatedFleet, FleetSpec
+from bench.overload_report import (
+    Phase,
+    PhaseRun,
+    Sample,
+    books_bounds,
+    format_report,
+    kv_index_flat,
+    phase_summary,
+    rss_growth,
+    series,
+)
+from replay.loadgen import LoadOptions, prompt_ids, send_one
+from replay.results import Outcome, RequestOutcome
+from replay.synthetic import SyntheticSpec, fixed, generate, lognormal
+from replay.traces import TraceRequest
+
+OVERLOAD_FACTOR = 3.0
+DRAIN_S = 30.0  # after the last arrival, how long answers may still take
+PING_S = 0.5  # period of the /health control pings
+MAX_PENDING = 5000  # client requests open at once; beyond this the run is cut short
+
+
+# ---------------------------------------------------------------- workload
+def phase_trace(
+    phases: list[Phase], input_tokens: int, output_tokens: int, seed: int
+) -> list[tuple[int, TraceRequest]]:
+    """(phase index, request) in arrival order. Each phase gets its own hash-id range, so
+    prefixes (8 shared system prompts, half the requests) repeat within a phase only."""
+    out: list[tuple[int, TraceRequest]] = []
+    t0, id_offset = 0.0, 0
+    for k, ph in enumerate(phases):
+        spec = SyntheticSpec(
+            requests=None,
+            duration_s=ph.duration_s,
+            rate_rps=ph.rate_rps,
+            input_len=lognormal(input_tokens, 0.3, low=64, high=4 * input_tokens),
+            output_len=fixed(output_tokens),
+            families=8,
+            family_fraction=0.5,
+            family_prefix_blocks=1,
+            seed=seed + k,
+        )
+        reqs = generate(spec)
+        top = 0
+        for r in reqs:
+            hashes = tuple(h + id_offset for h in r.hash_ids)
+            top = max(top, *hashes) if hashes else top
+            out.append((k, replace(r, index=len(out), arrival_s=t0 + r.arrival_s, hash_ids=hashes)))
+        t0 += ph.duration_s
+        id_offset = top + 1
+    return out
+
+
+# ---------------------------------------------------------------- driving
+async def _timed(
+    session: aiohttp.ClientSession,
+    tr: TraceRequest,
+    opts: LoadOptions,
+    t0: float,
+    out: RequestOutcome,
+    reject_ms: list[float],
+) -> None:
+    ids = prompt_ids(tr, {})  # a fresh block cache: a long run must not keep every prompt
+    sent = time.perf_counter()
+    await send_one(session, tr, ids, opts, t0, out)
+    if out.outcome is Outcome.REJECTED:
+        reject_ms.append((time.perf_counter() - sent) * 1e3)
+
+
+async def _sampler(
+    fleet: EmulatedFleet,
+    run: PhaseRun,
+    tasks: set[asyncio.Task[None]],
+    every_s: float,
+    t0: float,
+    stop: asyncio.Event,
+    n: int,
+) -> None:
+    for _ in range(n):  # bounded: n samples at most
+        try:
+            books = (await asyncio.to_thread(fleet.books)).as_dict()
+        except (OSError, ValueError, KeyError):  # a stalled or starting gateway: no books
+            books = None
+        run.samples.append(
+            Sample(
+                time.perf_counter() - t0,
+                fleet.gateway_rss_kb(),
+                fleet.gateway_cpu_s(),
+                os.getloadavg()[0],
+                books,
+                len(tasks),
+            )
+        )
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+            return
+        except TimeoutError:
+            pass
+
+
+async def _pinger(
+    fleet: EmulatedFleet, run: PhaseRun, every_s: float, t0: float, stop: asyncio.Event, n: int
+) -> None:
+    targets = {"gateway": fleet.url, "engine": next(iter(fleet.engine_urls.values()))}
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(n):  # bounded: n rounds at most
+            for name, url in targets.items():
+                sent = time.perf_counter()
+                try:
+                    async with session.get(url + "/health") as resp:
+                        await resp.read()
+                except (TimeoutError, aiohttp.ClientError):
+                    continue
+                done = time.perf_counter()
+                run.pings.append((sent - t0, name, (done - sent) * 1e3))
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+                return
+            except TimeoutError:
+                pass
+
+
+async def drive(
+    fleet: EmulatedFleet,
+    phases: list[Phase],
+    args: argparse.Namespace,
+    sample_s: float | None = None,
+) -> PhaseRun:
+    """Open-loop load through ``phases``; samples RSS and books every ``sample_s`` if given."""
+    trace = phase_trace(phases, args.input_tokens, args.output_tokens, args.seed)
+    opts = LoadOptions(
+        fleet.url,
+        1.0,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        timeout_s=max(60.0, 10 * args.ttft_slo),
+    )
+    run = PhaseRun(phases, [[] for _ in phases], [[] for _ in phases])
+    total_s = sum(p.duration_s for p in phases)
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    sampler = None
+    tasks: set[asyncio.Task[None]] = set()  # open client requests
+    n_pings = int((total_s + DRAIN_S) / PING_S) + 2
+    pinger = asyncio.create_task(_pinger(fleet, run, PING_S, t0, stop, n_pings))
+    if sample_s:
+        n = int((total_s + DRAIN_S) / sample_s) + 2
+        sampler = asyncio.create_task(_sampler(fleet, run, tasks, sample_s, t0, stop, n))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for k, tr in trace:
+            delay = tr.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(tasks) >= MAX_PENDING:
+                run.cut_short = True
+                break
+            out = RequestOutcome(f"r{tr.index}", tr.arrival_s, tr.input_length, tr.output_length)
+            run.outcomes[k].append(out)
+            task = asyncio.create_task(_timed(session, tr, opts, t0, out, run.reject_ms[k]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            _, late = await asyncio.wait(set(tasks), timeout=DRAIN_S + opts.timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+    stop.set()
+    await pinger
+    if sampler is not None:
+        await sampler
+    return run
+
+
+# ---------------------------------------------------------------- capacity
+async def probe_capacity(fleet: EmulatedFleet, args: argparse.Namespace) -> tuple[float, list]:
+    """The highest rate of a geometric ladder (``--probe-start`` x 1.5^k, at most
+    ``--probe-steps`` rungs of ``--probe-s`` seconds) served >= 95 % within the SLOs."""
+    best, ladder = 0.0, []
+    rate = args.probe_start
+    for _ in range(args.probe_steps):
+        run = await drive(fleet, [Phase(f"probe {rate:g}", rate, args.probe_s)], args)
+        s = phase_summary(run, 0, args)
+        ladder.append({k: s[k] for k in ("rate_rps", "slo_attainment", "goodput_rps", "rejected")})
+        await asyncio.to_thread(fleet.settled_books)  # the next load starts on an idle fleet
+        if not (s["slo_attainment"] or 0) >= 0.95:
+            break
+        best, rate = rate, round(rate * 1.5, 2)
+    if best == 0.0:
+        raise RuntimeError(f"no probed rate met the SLOs: {ladder}")
+    return best, ladder
+
+
+# ---------------------------------------------------------------- modes
+async def run_mode(fleet: EmulatedFleet, args: argparse.Namespace) -> dict[str, Any]:
+    rate, ladder = (args.rate_1x, None) if args.rate_1x else await probe_capacity(fleet, args)
+    seconds = args.seconds if args.seconds else 60.0 * args.minutes
+    if args.mode == "overload":
+        phases = [Phase("1x", rate, seconds), Phase("3x", OVERLOAD_FACTOR * rate, seconds)]
+    else:
+        phases = [Phase("1x", rate, seconds)]
+    run = await drive(fleet, phases, args, sample_s=args.sample_s)
+    books_end = (await asyncio.to_thread(fleet.settled_books)).as_dict()
+    summaries = [phase_summary(run, k, args) for k in range(len(phases))]
+    total_s = sum(p.duration_s for p in phases)
+    out: dict[str, Any] = {
+        "mode": args.mode,
+        "rate_1x_rps": rate,
+        "rate_source": "probe" if ladder else "configured",
+        "probe": ladder,
+        "phases": summaries,
+        "samples": series(run),
+        "rss_growth": rss_growth(run, total_s),
+        "books_over_time": books_bounds(run),
+        "books_end": books_end,
+        "recent_decisions_bound": fleet.spec.recent_decisions,
+        "gateway_tracebacks": fleet.log_tracebacks(),
+        "client_cut_short": run.cut_short,
+    }
+    targets: dict[str, Any] = {}
+    if args.mode == "overload":
+        g1, g3 = summaries[0]["goodput_rps"], summaries[1]["goodput_rps"]
+        ratio = round(g3 / g1, 3) if g1 and g3 is not None else None
+        p99 = summaries[1]["reject_ms"]["p99"]
+        out["goodput_ratio_3x_1x"] = ratio
+        targets["goodput_ratio_ge_0.9"] = ratio is not None and ratio >= 0.9
+        targets["reject_p99_le_5ms"] = p99 is not None and p99 <= 5.0
+    else:
+        growth = out["rss_growth"]["growth_pct"]
+        targets["rss_growth_le_5pct"] = growth is not None and growth <= 5.0
+        bounds = out["books_over_time"]
+        targets["decision_history_bounded"] = (
+            bounds.get("decision_history_max", 10**9) <= fleet.spec.recent_decisions
+        )
+        targets["kv_index_bounded"] = kv_index_flat(run, total_s)
+    targets["books_at_zero"] = books_end["requests_in_flight"] == 0 and (
+        books_end["history_in_flight"] == 0
+    )
+    out["targets_met"] = targets
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.overload_soak", description=__doc__)
+    p.add_argument("mode", choices=["overload", "soak"])
+    p.add_argument("--minutes", type=float, default=None, help="per phase (5 / 30 by default)")
+    p.add_argument("--seconds", type=float, default=None, help="per phase; overrides --minutes")
+    p.add_argument("--rate-1x", type=float, default=None, help="capacity; default: probed")
+    p.add_argument("--probe-start", type=float, default=2.0)
+    p.add_argument("--probe-steps", type=int, default=6)
+    p.add_argument("--probe-s", type=float, default=20.0)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--profile", default="llama3-8b-h100-tp1")
+    p.add_argument("--input-tokens", type=int, default=4096, help="mean prompt length")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--ttft-slo", type=float, default=1.0)
+    p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument("--sample-s", type=float, default=10.0, help="RSS and books sampling period")
+    p.add_argument("--base-port", type=int, default=18500)
+    p.add_argument("--workdir", default=None, help="config and logs (default: a temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed and checked arguments (argparse exits 2 with a message on bad ones)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.minutes is None:
+        args.minutes = 5.0 if args.mode == "overload" else 30.0
+    given = [args.minutes, args.sample_s, args.probe_s, args.probe_start]
+    if min(given + ([args.seconds] if args.seconds is not None else [])) <= 0:
+        parser.error("durations must be > 0")
+    if args.rate_1x is not None and args.rate_1x <= 0:
+        parser.error("--rate-1x must be > 0")
+    return args
+
+
+def fleet_spec(args: argparse.Namespace, workdir: Path) -> FleetSpec:
+    return FleetSpec(
+        workdir=workdir,
+        base_port=args.base_port,
+        prefill=args.prefill,
+        decode=args.decode,
+        profile=args.profile,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+    )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the children by PID like Ctrl-C does
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix=f"kvgate-{args.mode}-"))
+    with EmulatedFleet(fleet_spec(args, workdir)) as fleet:
+        rep = asyncio.run(run_mode(fleet, args))
+    rep["args"] = vars(args)
+    print(format_report(rep))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
