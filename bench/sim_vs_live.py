@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 
 from config.settings import AdmissionMode, AdmissionSettings, PredictorSettings, Settings
-from replay.demo import bundled_trace
+from gateway.demo import bundled_trace
 from replay.fleet import FleetSpec
 from replay.loadgen import LoadOptions, run_load
 from replay.progress import ProgressBar

@@ -73,7 +73,7 @@ def _emulate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from replay.demo import main
+    from gateway.demo import main
 
     return main(args)
 
@@ -105,7 +105,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     simple = [
-        ("demo", "run a small fleet on loopback and replay a trace slice", "replay.demo", _demo),
+        ("demo", "run a small fleet on loopback and replay a trace slice", "gateway.demo", _demo),
         (
             "replay",
             "open-loop live load from a trace against a gateway",

@@ -127,7 +127,7 @@ def _decode_batch(timing: StepTiming, tbt_slo_s: float, max_batch: int) -> int:
     if timing.b_s <= 0:
         return max_batch
     fit = int(budget / timing.b_s) if budget > 0 else 1
-    return max(1, min(max_batch, max(fit, 1)))
+    return max(1, min(max_batch, fit))
 
 
 def goodput_bound(

@@ -8,7 +8,7 @@ from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from replay.stack import LiveStack, StackSpec
+from gateway.stack import LiveStack, StackSpec
 
 T = TypeVar("T")
 

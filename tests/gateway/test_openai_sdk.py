@@ -6,7 +6,7 @@ import pytest
 from openai import OpenAI
 
 from config.settings import Protocol
-from replay.stack import StackSpec
+from gateway.stack import StackSpec
 from tests.gateway.live import live_stack
 
 

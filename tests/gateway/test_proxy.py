@@ -10,7 +10,7 @@ from dataclasses import replace
 import aiohttp
 
 from config.settings import AdmissionMode, Settings, SLOSettings
-from replay.stack import LiveStack, StackSpec
+from gateway.stack import LiveStack, StackSpec
 from tests.backends.test_drivers import StubEngine
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import aiohttp
 
 from config.settings import ReplicationSettings, ReplicationSink, Settings
-from replay.stack import LiveStack, StackSpec
+from gateway.stack import LiveStack, StackSpec
 from routing.types import ReplicationCommand, ReplicationReason
 
 

@@ -17,9 +17,9 @@ from importlib.resources import files
 from pathlib import Path
 
 from config.settings import AdmissionMode, Protocol, ReplicationSink, Settings
+from gateway.stack import LiveStack, StackSpec
 from replay.loadgen import LoadOptions, run_load
 from replay.progress import ProgressBar
-from replay.stack import LiveStack, StackSpec
 from replay.traces import load_trace, select
 
 BUNDLED = "conversation_10min.jsonl"

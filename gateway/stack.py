@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import uvicorn
 
 from config.settings import InstanceSettings, PoolSettings, Protocol, Role, Settings
+from gateway.app import build_app
 from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
 
 
@@ -98,8 +99,6 @@ class LiveStack:
                 health_interval_s=min(base.server.health_interval_s, 0.5),
             ),
         )
-        from gateway.app import build_app
-
         self.app = build_app(self.settings)
         config = uvicorn.Config(
             self.app,
