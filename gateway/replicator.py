@@ -13,7 +13,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -54,11 +54,15 @@ class ReplicationRecord:
         return asdict(self)
 
 
+class UrlLookup(Protocol):
+    def get(self, instance_id: str) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class EngineView:
     """What the warm-up sink needs to know of the fleet, read live from the gateway."""
 
-    url: Callable[[str], str | None]  # instance id -> base URL
+    urls: UrlLookup  # instance id -> base URL, read live
     sends_kv_events: Callable[[str], bool]
     engine_block_tokens: Callable[[str], int | None]
     pin: Callable[[str, str, Sequence[int]], int | None]  # llama.cpp slot of a warm-up
@@ -141,7 +145,7 @@ class Replicator:
             cluster = ConductorCluster(
                 self.conductor,
                 self.clock,
-                self.engines.url,
+                self.engines.urls.get,
                 self.engines.sends_kv_events,  # its engine's KV events reach the index
                 max_queue_s=rep.warmup_max_queue_s,
                 engine_block_tokens=self.engines.engine_block_tokens,
@@ -161,7 +165,7 @@ class Replicator:
 
             return EngineFetchSink(
                 session,
-                _UrlLookup(self.engines.url),
+                self.engines.urls,
                 kv_bytes_per_token=self._kv_bytes_per_token(),
                 timeout_s=rep.timeout_s,
                 max_retries=rep.max_retries,
@@ -232,13 +236,3 @@ class Replicator:
             self.metrics.replicated_bytes.inc(result.bytes)
             self.metrics.replication_latency.observe(result.latency_s)
         return result.ok
-
-
-class _UrlLookup:
-    """``.get(instance_id)`` over a lookup function (what the engine sink expects)."""
-
-    def __init__(self, url: Callable[[str], str | None]) -> None:
-        self._url = url
-
-    def get(self, instance_id: str) -> str | None:
-        return self._url(instance_id)

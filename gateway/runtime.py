@@ -112,7 +112,7 @@ class Gateway:
             self.metrics,
             clock,
             EngineView(
-                url=_UrlView(self.targets).get,
+                urls=_UrlView(self.targets),
                 sends_kv_events=lambda iid: iid in self._subscribers,
                 engine_block_tokens=self._engine_block_tokens,
                 pin=self.pin_slot,

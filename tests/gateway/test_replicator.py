@@ -35,7 +35,7 @@ def _settings(default: ReplicationSink, pool_sink: ReplicationSink | None) -> Se
 def _replicator(settings: Settings) -> tuple[Replicator, Conductor]:
     conductor = Conductor(settings)
     view = EngineView(
-        url=lambda iid: None,
+        urls={},
         sends_kv_events=lambda iid: False,
         engine_block_tokens=lambda iid: None,
         pin=lambda rid, iid, blocks: None,
