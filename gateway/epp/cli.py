@@ -1,0 +1,116 @@
+"""`kvgate epp`: run kvgate as Envoy's endpoint picker (ext_proc gRPC), docs/epp.md.
+
+Options come from the command line for now (a ``[epp]`` config section would hold them);
+the fleet, SLOs, policy and admission come from the same TOML config as `kvgate serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from config.settings import Role
+
+log = logging.getLogger("kvgate.epp")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="kvgate TOML config (pools, SLOs, policy)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve gRPC health on this port (default: only on the ext_proc port)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics and /books (in-flight counts) on this HTTP port",
+    )
+    p.add_argument(
+        "--fallbacks",
+        type=int,
+        default=1,
+        help="fallback endpoints after the pick, for Envoy's override_host policy (0: none, "
+        "for an ORIGINAL_DST cluster, which takes one endpoint)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def check_supported(settings) -> str | None:
+    """Why this config cannot run behind Envoy yet, or None."""
+    if any(i.role is not Role.BOTH for i in settings.instances()):
+        return (
+            "prefill/decode pools are not supported by `kvgate epp` yet (colocated pools "
+            "only; use `kvgate serve` for P/D, docs/epp.md)"
+        )
+    return None
+
+
+async def _run(args: argparse.Namespace, settings) -> int:
+    from gateway.epp.server import run_until_signal, start_epp
+    from gateway.runtime import Gateway
+
+    gw = Gateway(settings)
+    gw.config_path = args.config
+    epp = await start_epp(
+        gw,
+        host=args.host,
+        port=args.port,
+        health_port=args.health_port,
+        metrics_port=args.metrics_port,
+        fallbacks=args.fallbacks,
+    )
+    n = len(settings.instances())
+    extra = f", metrics on :{epp.metrics_port}" if epp.metrics_port else ""
+    print(
+        f"kvgate epp: picking among {n} instances on grpc://{args.host}:{epp.port} "
+        f"(policy {settings.routing.policy}, admission {settings.admission.mode}{extra})",
+        file=sys.stderr,
+        flush=True,
+    )
+    await run_until_signal(epp, settings.server.drain_timeout_s)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from config.loader import ConfigError, load_settings
+    from routing.policies.registry import PolicyError
+
+    try:
+        import grpc  # noqa: F401
+        from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"kvgate epp: needs the epp extra (pip install 'kvgate[epp]'): {exc}", file=sys.stderr
+        )
+        return 2
+    if args.fallbacks < 0:
+        print("kvgate epp: --fallbacks must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        settings = load_settings(args.config)
+    except (ConfigError, PolicyError, OSError, ValueError) as exc:
+        print(f"kvgate epp: {exc}", file=sys.stderr)
+        return 2
+    why = check_supported(settings)
+    if why is not None:
+        print(f"kvgate epp: {args.config}: {why}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    from gateway.runtime import tune_gc
+
+    tune_gc()
+    try:
+        # asyncio's own loop: grpc.aio supports it (uvloop measured no better here)
+        return asyncio.run(_run(args, settings))
+    except (PolicyError, OSError, ValueError) as exc:
+        print(f"kvgate epp: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,322 @@
+"""One request's pick through Envoy, and its books: the same Gateway and Conductor as
+`kvgate serve` (gateway/proxy.py), with Envoy carrying the bytes.
+
+``Picker.pick`` parses the request as `kvgate serve` does (gateway/openai.py), asks the
+Conductor (``schedule`` then ``dispatched``: the same two calls as the proxy's decision), runs
+the decision's replications, and answers with the engine's ``ip:port`` (then fallbacks:
+other eligible instances of the same model, least queued first) or with the same rejection
+body and headers as `kvgate serve` (gateway/answers.py). The ``Flight`` it returns keeps
+the books from what Envoy shows of the answer: its first body chunk is the observed TTFT,
+SSE ``data:`` lines count tokens, usage and cache reports come from the answer's last
+chunks, and the end (or the stream breaking off) closes the books.
+
+Not supported here (docs/epp.md): P/D pools (the picker refuses such a config), llama.cpp
+slot pinning (it rewrites the body), retries on another engine after the answer started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from backends.legs import Failure
+from gateway.answers import (
+    decision_headers,
+    new_request_id,
+    rejection_response,
+    usable_request_id,
+)
+from gateway.learning import DecisionRecord
+from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body, parse_request
+from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
+from gateway.runtime import Gateway
+from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
+from routing.types import Decision, Rejection
+
+Pairs = list[tuple[bytes, bytes]]
+_PLACED_PATHS = (COMPLETIONS, CHAT)
+_TOKEN_FLUSH = 16  # as gateway/relay.py: streamed tokens reach the books in batches
+_KEEP_BODY = 1 << 20  # a non-streamed answer is kept up to this for its usage (else its tail)
+
+
+@dataclass(frozen=True, slots=True)
+class Immediate:
+    """An answer Envoy sends the client itself."""
+
+    status: int
+    body: bytes
+    headers: Pairs
+
+
+@dataclass(slots=True)
+class Flight:
+    """A placed request, from the pick to the end of its answer."""
+
+    parsed: ParsedRequest
+    decision: Decision
+    record: DecisionRecord
+    endpoints: list[str]
+    headers: Pairs  # set on the request to the engine (x-request-id) and on the answer
+    status: int = 0
+    served: str | None = None  # the endpoint that served, as the proxy reported it
+    stamps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    reported: int = 0
+    body: list[bytes] = field(default_factory=list)  # the answer (non-streamed) or its tail
+    kept: int = 0
+    closed: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.parsed.info.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Passthrough:
+    """Not a completion (e.g. GET /v1/models): any eligible engine, no books."""
+
+    endpoints: list[str]
+
+
+Outcome = Flight | Immediate | Passthrough
+
+
+def endpoint_of(url: str) -> str:
+    """``ip:port`` of an engine URL, as Envoy's ORIGINAL_DST / override_host want it (an IP,
+    not a name: a host name is resolved here once). IPv6 in brackets."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        ip = ipaddress.ip_address(info[0][4][0])
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+class Picker:
+    """The pick and the books of every request Envoy sends, for one Gateway."""
+
+    def __init__(self, gw: Gateway, fallbacks: int = 1) -> None:
+        if fallbacks < 0:
+            raise ValueError("fallbacks must be >= 0")
+        self.gw = gw
+        self.fallbacks = fallbacks
+        self._endpoints: dict[str, str] = {}  # engine URL -> ip:port
+
+    # ------------------------------------------------------------------ the pick
+    def endpoint(self, instance_id: str) -> str:
+        url = self.gw.targets[instance_id].url
+        ep = self._endpoints.get(url)
+        if ep is None:
+            ep = self._endpoints[url] = endpoint_of(url)
+        return ep
+
+    def resolve_all(self) -> list[str]:
+        """Each engine's ``ip:port`` now (a host name resolves once, here at start rather than
+        on a request's path); returns the instances whose name did not resolve yet."""
+        failed = []
+        for iid in list(self.gw.targets):
+            try:
+                self.endpoint(iid)
+            except OSError:
+                failed.append(iid)
+        return failed
+
+    def _alternatives(self, primary: str, model: str | None) -> list[str]:
+        """Other eligible instances of the primary's model, least queued first: Envoy tries
+        them in order if the primary cannot be reached (override_host)."""
+        if self.fallbacks == 0:
+            return []
+        gw, now = self.gw, self.gw.clock()
+        others = [
+            i
+            for i in gw.conductor.instances.values()
+            if i.id != primary and i.eligible and i.does_prefill and i.model == model
+        ]
+        others.sort(key=lambda i: (i.queue_time(now), i.bit_order))
+        return [self.endpoint(i.id) for i in others[: self.fallbacks]]
+
+    def too_large(self, size: int) -> Immediate | None:
+        """413, as `kvgate serve` answers, once the body grows past ``server.max_body_bytes``."""
+        limit = self.gw.settings.server.max_body_bytes
+        if size <= limit:
+            return None
+        self.gw.metrics.requests.labels("bad_request").inc()
+        msg = f"request body larger than {limit} bytes"
+        return Immediate(413, error_body(msg, "invalid_request_error"), [])
+
+    def passthrough(self) -> Outcome:
+        now = self.gw.clock()
+        live = [i for i in self.gw.conductor.instances.values() if i.eligible]
+        if not live:
+            body = error_body("no healthy engine", "service_unavailable", code="no_healthy")
+            return Immediate(503, body, [(b"retry-after", b"1")])
+        best = min(live, key=lambda i: (i.queue_time(now), i.bit_order))
+        return Passthrough([self.endpoint(best.id)])
+
+    async def pick(self, path: str, headers: dict[str, str], raw: bytes) -> Outcome:
+        """``headers``: lower-case names. Envoy sets x-request-id; it keys the books unless
+        already in flight or unusable (then kvgate's own id replaces it upstream)."""
+        gw = self.gw
+        path = path.split("?", 1)[0]
+        if path not in _PLACED_PATHS:
+            return self.passthrough()
+        given = headers.get("x-request-id")
+        usable = usable_request_id(given) and given not in gw.conductor.requests
+        rid = given if usable and given is not None else new_request_id()
+        rid_header = (b"x-request-id", rid.encode())
+        if gw.drain.draining:
+            gw.metrics.requests.labels("shutting_down").inc()
+            retry = str(gw.drain.retry_after_s()).encode()
+            return Immediate(503, shutting_down_body(), [(b"retry-after", retry), rid_header])
+        try:
+            parsed = parse_request(
+                path,
+                raw,
+                headers,
+                rid,
+                gw.clock(),
+                settings=gw.settings,
+                encoder=gw.prompt_encoder,
+                hasher=gw.hasher,
+                models=gw.model_routes,
+            )
+        except BadRequest as exc:
+            gw.metrics.requests.labels("bad_request").inc()
+            body = error_body(exc.message, "invalid_request_error", param=exc.param, code=exc.code)
+            return Immediate(exc.status, body, [rid_header])
+        t0 = time.perf_counter()
+        now = gw.clock()
+        decision = gw.conductor.schedule(parsed.info, now)
+        if isinstance(decision, Decision):
+            gw.conductor.dispatched(decision, parsed.info, now)
+        decision_s = time.perf_counter() - t0
+        gw.metrics.decision.observe(decision_s)
+        if isinstance(decision, Rejection):
+            gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
+            self._count(parsed, "rejected")
+            return Immediate(*rejection_response(decision, rid))
+        gw.drain.enter()  # left when the books close (Flight's end)
+        try:
+            await self._replicate(path, parsed, decision)
+            record = DecisionRecord.of(rid, gw.clock(), decision)
+            endpoints = [self.endpoint(decision.prefill)]
+            endpoints += self._alternatives(decision.prefill, parsed.info.model)
+        except BaseException:  # e.g. an engine name that no longer resolves, or cancelled
+            gw.conductor.failed(rid, gw.clock())
+            gw.drain.leave(rid)
+            raise
+        gw.learner.record(record)
+        return Flight(parsed, decision, record, endpoints, decision_headers(decision, rid))
+
+    async def _replicate(self, path: str, parsed: ParsedRequest, d: Decision) -> None:
+        """As `kvgate serve`: warm-up copies go out; a pull this prefill reuses lands first."""
+        gw = self.gw
+        if d.replications:
+            gw.replicator.remember_prompt(path, parsed)
+        pulls = gw.replicator.execute(d.replications)
+        if pulls:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(asyncio.gather(*pulls)), gw.settings.replication.timeout_s
+                )
+
+    def _count(self, parsed: ParsedRequest, outcome: str) -> None:
+        self.gw.metrics.requests.labels(outcome).inc()
+        if parsed.info.model is not None:
+            self.gw.metrics.model_requests.labels(parsed.info.model, outcome).inc()
+
+    # ------------------------------------------------------------------ the answer
+    def response_started(self, f: Flight, status: int, served: str | None = None) -> None:
+        """The answer's status, and the endpoint that served it if the proxy says: another
+        than the pick means Envoy could not reach the pick and used a fallback, so the pick
+        counts a failed leg (its health is probed now, as `kvgate serve` does)."""
+        f.status, f.served = status, served
+        if served and served != f.endpoints[0]:
+            self.gw.metrics.retries.inc()
+            self.gw.leg_failed(f.decision.prefill, Failure.CONNECT)
+
+    def chunk(self, f: Flight, data: bytes) -> None:
+        """One body chunk of the answer as Envoy passes it on."""
+        if f.closed or f.status >= 400 or not data:
+            return
+        gw = self.gw
+        now = gw.clock()
+        if not f.stamps:
+            f.record.observed_ttft_s = gw.conductor.first_token(f.request_id, now)
+            if f.record.observed_ttft_s is not None:
+                gw.metrics.ttft.observe(f.record.observed_ttft_s)
+        f.stamps.append(now)
+        if f.parsed.stream:
+            f.tokens += data.count(TOKEN_EVENT) or data.count(TOKEN_EVENT_SPACED)
+            if f.tokens - f.reported >= _TOKEN_FLUSH:
+                gw.conductor.tokens(f.request_id, f.tokens - f.reported, now)
+                f.reported = f.tokens
+            f.body = [*f.body[-1:], data]  # the last two chunks: where a usage chunk is
+        elif f.kept + len(data) <= _KEEP_BODY:
+            f.body.append(data)
+            f.kept += len(data)
+        else:
+            f.body = [*f.body[-1:], data]
+
+    def finished(self, f: Flight) -> None:
+        """The answer ended (Envoy's end of stream on the response body)."""
+        if f.closed:
+            return
+        gw = self.gw
+        if f.status >= 400:  # the engine's own error (or Envoy's, e.g. no upstream)
+            self.failed(f, "upstream_error")
+            return
+        now = gw.clock()
+        if not f.stamps:  # an empty answer still answered
+            f.record.observed_ttft_s = gw.conductor.first_token(f.request_id, now)
+        tail = b"".join(f.body)
+        tokens = f.tokens if f.parsed.stream else usage_tokens(tail)
+        if f.parsed.stream and len(f.stamps) > 1 and f.tokens > 1:
+            f.record.observed_tbt_s = (f.stamps[-1] - f.stamps[0]) / (f.tokens - 1)
+        observe_gaps(gw.metrics.tbt, f.stamps)
+        d, rid = f.decision, f.request_id
+        feedback = gw.conductor.cache_feedback(rid, now, *cache_report(tail))
+        if feedback is not None:
+            gw.metrics.cache_feedback(feedback)
+        gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
+        gw.conductor.finished(rid, now, output_tokens=tokens or None)
+        if f.served in (None, f.endpoints[0]):
+            gw.leg_succeeded(d.prefill)
+        f.record.outcome = "completed"
+        self._count(f.parsed, "completed")
+        self._learn(f)
+        self._close(f)
+
+    def failed(self, f: Flight, outcome: str) -> None:
+        """The answer failed or the stream broke off: the books close without learning.
+        ``upstream_error`` with a 5xx (or no answer at all) counts against the engine."""
+        if f.closed:
+            return
+        gw = self.gw
+        gw.conductor.failed(f.request_id, gw.clock())
+        f.record.outcome = "failed" if outcome == "upstream_error" else outcome
+        if outcome == "upstream_error" and (f.status == 0 or f.status >= 500):
+            kind = Failure.HTTP if f.status else Failure.CONNECT
+            gw.leg_failed(f.decision.prefill, kind)
+        self._count(f.parsed, outcome)
+        self._close(f)
+
+    def _close(self, f: Flight) -> None:
+        f.closed = True
+        f.body = []
+        self.gw.drain.leave(f.request_id)
+
+    def _learn(self, f: Flight) -> None:
+        gw, d = self.gw, f.decision
+        spec = gw.specs.get(d.prefill)
+        error = gw.learner.observe_answer(d, f.record, spec.profile if spec else None)
+        if error is not None:
+            gw.metrics.ttft_error.observe(error)
