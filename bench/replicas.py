@@ -1,0 +1,303 @@
+"""Several kvgate replicas in front of one emulated fleet, with and without the replica exchange.
+
+The same live replay (the bundled slice by default) through 1, 2 and 4 ``kvgate serve``
+replicas, the client load split round-robin over them (request i goes to replica i mod N).
+Each run starts a fresh fleet of ``kvgate emulate`` processes (KV events on, so every replica
+sees the engines' cache) so no run inherits another's cache. With the exchange every replica
+publishes its dispatched-but-unfinished work over ZMQ and counts the others' (docs/replicas.md);
+without it each replica sees only its own share of the load. Reports goodput and mean TTFT
+relative to one replica; ``--json`` writes everything. Every process started here is ended by
+PID; ports come from 45200-45499.
+
+    python -m bench.replicas --duration 180 --json /tmp/replicas/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from gateway.demo import bundled_trace
+from replay.loadgen import LoadOptions, prompt_ids, send_one
+from replay.report import summarize
+from replay.results import RequestOutcome, RunResult
+from replay.traces import TraceRequest, load_trace, select
+
+KEYS = ("goodput_rps", "ttft_mean_s", "ttft_p90_s", "rejected", "cache_hit_ratio")
+_GIVEN: set[int] = set()
+
+
+def _port() -> int:
+    """A free loopback port in 45200-45499, never the same one twice in a run."""
+    for port in range(45200, 45500):
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port left in 45200-45499")
+
+
+def _kvgate(log: Path, *args: str) -> subprocess.Popen:
+    code = "import sys; from gateway.cli import main; sys.exit(main())"
+    out = log.open("w")
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=out)
+
+
+class StartError(RuntimeError):
+    """A process did not come up (its port can be taken between the probe and its bind:
+    45000-45499 lies in Linux's ephemeral range, so an outgoing connection may hold it)."""
+
+
+async def _wait(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise StartError(f"{url}: process exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise StartError(f"{url} did not come up")
+
+
+def _config(args: argparse.Namespace, engines: dict, port: int, replica: str, ex: dict) -> str:
+    lines = [
+        "[slo]",
+        f"ttft_s = {args.ttft_slo}",
+        f"tbt_s = {args.tbt_slo}",
+        "[routing]",
+        f'policy = "{args.policy}"',
+        "block_size = 16",
+        "[admission]",
+        f'mode = "{args.admission}"',
+        "[predictors]",
+        f'profile = "{args.profile}"',
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        "refit_interval_s = 0",
+    ]
+    if ex:
+        peers = ", ".join(f'"{p}"' for p in ex["peers"])
+        lines += [
+            "[replicas]",
+            "enabled = true",
+            f'replica_id = "{replica}"',
+            f'bind = "{ex["bind"]}"',
+            f"peers = [{peers}]",
+            f"publish_interval_s = {args.publish_interval}",
+        ]
+    for role in ("prefill", "decode"):
+        lines += ["[[pools]]", f'name = "{role}"', f'role = "{role}"']
+        for iid, (url, events) in engines.items():
+            if iid.startswith(role[0]):
+                lines += [
+                    "[[pools.instances]]",
+                    f'id = "{iid}"',
+                    f'url = "{url}"',
+                    f'kv_events_endpoint = "{events}"',
+                    "kv_events_bind = false",
+                ]
+    return "\n".join(lines) + "\n"
+
+
+async def _load(trace: list[TraceRequest], targets: list[str], args) -> RunResult:
+    """Open-loop replay, request i to targets[i % N] (a round-robin load balancer)."""
+    opts = [
+        LoadOptions(t, args.time_scale, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
+        for t in targets
+    ]
+    result = RunResult(
+        label="live",
+        policy="live",
+        admission="live",
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        duration_s=(trace[-1].arrival_s - trace[0].arrival_s) if trace else 0.0,
+    )
+    outcomes = [
+        RequestOutcome(f"replay-{tr.index}", tr.arrival_s, tr.input_length, tr.output_length)
+        for tr in trace
+    ]
+    cache: dict[int, list[int]] = {}
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        for k, (tr, out) in enumerate(zip(trace, outcomes, strict=True)):
+            ids = prompt_ids(tr, cache)
+            delay = tr.arrival_s * args.time_scale - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            o = opts[k % len(opts)]
+            tasks.append(asyncio.create_task(send_one(session, tr, ids, o, start, out)))
+        await asyncio.gather(*tasks)
+    result.requests = outcomes
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+async def run_one(args, trace, replicas: int, exchange: bool, logs: Path) -> dict:
+    procs: list[subprocess.Popen] = []
+    tag = f"{replicas}r-{'ex' if exchange else 'noex'}"
+    try:
+        engines: dict[str, tuple[str, str]] = {}
+        for role, n in (("prefill", args.prefill), ("decode", args.decode)):
+            for i in range(n):
+                port, events = _port(), _port()
+                iid = f"{role[0]}{i}"
+                procs.append(
+                    _kvgate(
+                        logs / f"{tag}-{iid}.log",
+                        "emulate",
+                        "--role",
+                        role,
+                        "--protocol",
+                        "vllm",
+                        "--profile",
+                        args.profile,
+                        "--port",
+                        str(port),
+                        "--time-scale",
+                        str(args.time_scale),
+                        "--kv-events-port",
+                        str(events),
+                    )
+                )
+                engines[iid] = (f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}")
+        for (url, _), proc in zip(engines.values(), procs, strict=True):
+            await _wait(url, proc)
+        ports = [_port() for _ in range(replicas)]
+        binds = [f"tcp://127.0.0.1:{_port()}" for _ in range(replicas)]
+        for r in range(replicas):
+            ex = {}
+            if exchange and replicas > 1:
+                ex = {"bind": binds[r], "peers": [b for b in binds if b != binds[r]]}
+            cfg = logs / f"{tag}-gw{r}.toml"
+            cfg.write_text(_config(args, engines, ports[r], f"r{r}", ex))
+            procs.append(
+                _kvgate(
+                    logs / f"{tag}-gw{r}.log",
+                    "serve",
+                    "--config",
+                    str(cfg),
+                    "--log-level",
+                    "warning",
+                )
+            )
+        targets = [f"http://127.0.0.1:{p}" for p in ports]
+        for t, proc in zip(targets, procs[len(engines) :], strict=True):
+            await _wait(t, proc)
+        await asyncio.sleep(1.0)  # KV-event subscriptions and peer connections settle
+        t0, load0 = time.monotonic(), os.getloadavg()[0]
+        result = await asyncio.wait_for(_load(trace, targets, args), args.max_run_s)
+        summary = summarize(result)
+        return {
+            "replicas": replicas,
+            "exchange": exchange and replicas > 1,
+            "wall_s": round(time.monotonic() - t0, 1),
+            # The box's 1-minute load average before and after: other work on a small box
+            # slows the emulators' step loops, which shows as TTFT (compare runs with care).
+            "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)],
+            **{k: summary[k] for k in KEYS},
+            "requests": summary.get("requests", len(trace)),
+        }
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__)
+    p.add_argument("--trace", help="trace (default: the bundled 10-minute slice)")
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of trace")
+    p.add_argument("--speed", type=float, default=1.0, help="load factor")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
+    p.add_argument("--no-baseline-off", action="store_true", help="skip runs without exchange")
+    p.add_argument("--profile", default="llama3-8b-h100-tp1")
+    p.add_argument("--policy", default="kvcache_centric")
+    p.add_argument("--admission", default="predictive")
+    p.add_argument("--ttft-slo", type=float, default=2.0)
+    p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument("--publish-interval", type=float, default=0.05)
+    p.add_argument("--max-run-s", type=float, default=900.0, help="bound on one run's load")
+    p.add_argument("--logs", help="folder for configs and process logs (default: a temp dir)")
+    p.add_argument("--json", help="write the runs and ratios here")
+    args = p.parse_args(argv)
+    counts = sorted({int(x) for x in args.replicas.split(",")})
+    if not counts or min(counts) < 1 or max(counts) > 16:
+        p.error("--replicas: counts between 1 and 16")
+    trace = select(
+        load_trace(args.trace or bundled_trace()), duration_s=args.duration, speed=args.speed
+    )
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="kvgate-replicas-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    plan = [(n, True) for n in counts] + [
+        (n, False) for n in counts if n > 1 and not args.no_baseline_off
+    ]
+    runs = []
+    for n, ex in plan:
+        for attempt in range(3):  # a port lost to another process: start the run again
+            try:
+                run = asyncio.run(run_one(args, trace, n, ex, logs))
+                break
+            except StartError as exc:
+                print(f"run {n} replicas: {exc}; attempt {attempt + 2}/3", file=sys.stderr)
+        else:
+            raise SystemExit(f"run with {n} replicas did not start")
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+    base = next((r for r in runs if r["replicas"] == 1), None)
+    for r in runs:
+        if base is not None:
+            r["vs_1"] = {
+                k: round(r[k] / base[k], 4) if base[k] else None
+                for k in ("goodput_rps", "ttft_mean_s")
+            }
+    print(
+        f"{'replicas':>8} {'exchange':>8} {'goodput r/s':>11} {'TTFT mean s':>11} "
+        f"{'goodput/1':>9} {'TTFT/1':>7} {'rejected':>8}"
+    )
+    for r in runs:
+        v = r.get("vs_1", {})
+        print(
+            f"{r['replicas']:>8} {r['exchange']!s:>8} {r['goodput_rps']:>11.3f} "
+            f"{r['ttft_mean_s']:>11.3f} {v.get('goodput_rps')!s:>9} "
+            f"{v.get('ttft_mean_s')!s:>7} {r['rejected']:>8}"
+        )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The replica exchange: several kvgate replicas share their dispatched-but-unfinished work.
+
+Each replica binds one ZMQ PUB socket (``replicas.bind``) and connects one SUB socket to every
+peer's (``replicas.peers``). Every ``publish_interval_s`` it publishes a msgpack snapshot of its
+own work per instance (routing/replica_load.own_work) with its replica id, a per-run epoch and a
+sequence number; what it receives goes into its books through ``ReplicaLoad.set_peer_load``,
+where admission and placement count it as load. A peer not heard from for ``ttl_s`` (default 3
+intervals) has its share expire; a replica that shuts down cleanly says goodbye so its share
+goes at once. Whole snapshots, not deltas: PUB/SUB may drop (slow joiner, high-water mark)
+and that costs only freshness. Brokerless: no server to run, nothing to keep consistent
+(docs/replicas.md says why ZMQ rather than NATS or Redis).
+
+Wire: frames ``[b"kvgate.books", payload]``; payload a msgpack map
+``{"v": 1, "r": replica, "e": epoch, "s": seq, "bye": bool, "i": {instance: [prefills,
+decodes]}}`` with prefills ``[prompt_tokens, remaining_s, ready_in_s]`` and decodes
+``[prompt_tokens, predicted_output, generated, arrival_in_s | nil]`` (times relative to sending).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from config.settings import ReplicasSettings
+from routing.conductor import Conductor
+from routing.replica_load import DecodeItem, InstanceWork, PrefillItem, ReplicaLoad, own_work
+
+log = logging.getLogger("kvgate.replicas")
+
+TOPIC = b"kvgate.books"
+VERSION = 1
+
+
+class SnapshotError(ValueError):
+    """A payload that is not a version-1 snapshot."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    replica: str
+    epoch: int
+    seq: int
+    work: dict[str, InstanceWork] = field(default_factory=dict)
+    bye: bool = False
+
+
+def encode(snap: Snapshot) -> bytes:
+    inst = {
+        iid: [
+            [[p.prompt_tokens, p.remaining_s, p.ready_in_s] for p in w.prefills],
+            [[d.prompt_tokens, d.predicted_output, d.generated, d.arrival_in_s] for d in w.decodes],
+        ]
+        for iid, w in snap.work.items()
+    }
+    return msgpack.packb(
+        {
+            "v": VERSION,
+            "r": snap.replica,
+            "e": snap.epoch,
+            "s": snap.seq,
+            "bye": snap.bye,
+            "i": inst,
+        }
+    )
+
+
+def _num(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float) or x != x or x < 0:
+        raise SnapshotError(f"{what} must be a non-negative number, got {x!r}")
+    return float(x)
+
+
+def _count(x: Any, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise SnapshotError(f"{what} must be a non-negative integer, got {x!r}")
+    return x
+
+
+def decode(payload: bytes) -> Snapshot:
+    try:
+        msg = msgpack.unpackb(payload, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise SnapshotError(f"not msgpack: {exc}") from exc
+    if not isinstance(msg, dict) or msg.get("v") != VERSION:
+        raise SnapshotError("not a version-1 snapshot")
+    replica, inst = msg.get("r"), msg.get("i", {})
+    if not isinstance(replica, str) or not replica or "\x00" in replica:
+        raise SnapshotError("replica id must be a non-empty string")
+    if not isinstance(inst, dict):
+        raise SnapshotError("'i' must map instance ids to work")
+    work: dict[str, InstanceWork] = {}
+    try:
+        for iid, (pre, dec) in inst.items():
+            if not isinstance(iid, str):
+                raise SnapshotError("instance ids must be strings")
+            prefills = tuple(
+                PrefillItem(_count(t, "prompt_tokens"), _num(r, "remaining_s"), _num(w, "ready"))
+                for t, r, w in pre
+            )
+            decodes = tuple(
+                DecodeItem(
+                    _count(t, "prompt_tokens"),
+                    _count(o, "predicted_output"),
+                    _count(g, "generated"),
+                    None if a is None else _num(a, "arrival_in_s"),
+                )
+                for t, o, g, a in dec
+            )
+            work[iid] = InstanceWork(prefills, decodes)
+    except (TypeError, ValueError) as exc:  # wrong shapes: unpacking a non-list, wrong arity
+        if isinstance(exc, SnapshotError):
+            raise
+        raise SnapshotError(f"malformed work: {exc}") from exc
+    return Snapshot(
+        replica,
+        _count(msg.get("e", 0), "epoch"),
+        _count(msg.get("s", 0), "seq"),
+        work,
+        bool(msg.get("bye", False)),
+    )
+
+
+@dataclass(slots=True)
+class ExchangeStats:
+    published: int = 0
+    received: int = 0  # snapshots applied
+    stale: int = 0  # older than one already applied
+    invalid: int = 0
+    expired: int = 0  # peer shares dropped for silence
+
+
+class ReplicaExchange:
+    """One replica's end of the exchange; ``start`` binds, ``run`` publishes and merges."""
+
+    def __init__(
+        self,
+        cfg: ReplicasSettings,
+        conductor: Conductor,
+        clock: Callable[[], float],
+        *,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.replica_id = cfg.replica_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.ttl_s = cfg.ttl_s if cfg.ttl_s is not None else 3 * cfg.publish_interval_s
+        self.conductor = conductor
+        self.load = ReplicaLoad(conductor.instances)
+        self.clock = clock
+        self.stats = ExchangeStats()
+        self._epoch = secrets.randbits(62)  # a restarted replica's sequence starts over
+        self._seq = 0
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+
+    def start(self) -> None:
+        """Bind and connect now, so a taken port fails start-up with a clear message."""
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 64)  # a stuck peer drops snapshots; newer ones follow
+        try:
+            pub.bind(self.cfg.bind)
+        except zmq.ZMQError as exc:
+            pub.close()
+            raise RuntimeError(f"replicas.bind {self.cfg.bind}: {exc}") from exc
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # a snapshot is ~25 bytes a request
+        for peer in self.cfg.peers:
+            sub.connect(peer)  # ZMQ reconnects by itself while a peer is down
+        self._pub, self._sub = pub, sub
+        log.info(
+            "replica %s publishes on %s, peers %s", self.replica_id, self.cfg.bind, self.cfg.peers
+        )
+
+    def snapshot(self, now: float, bye: bool = False) -> Snapshot:
+        self._seq += 1
+        work = {} if bye else own_work(self.conductor.requests, self.conductor.instances, now)
+        return Snapshot(self.replica_id, self._epoch, self._seq, work, bye)
+
+    def publish(self, bye: bool = False) -> None:
+        if self._pub is None:
+            return
+        payload = encode(self.snapshot(self.clock(), bye))
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([TOPIC, payload], flags=zmq.NOBLOCK)
+            self.stats.published += 1
+
+    def receive(self, payloads: list[bytes]) -> None:
+        """Apply the newest snapshot of each peer among ``payloads`` (oldest first)."""
+        latest: dict[str, Snapshot] = {}
+        for payload in payloads:
+            try:
+                snap = decode(payload)
+            except SnapshotError as exc:
+                self.stats.invalid += 1
+                log.warning("ignoring a replica snapshot: %s", exc)
+                continue
+            if snap.replica != self.replica_id:
+                latest[snap.replica] = snap
+        now = self.clock()
+        for snap in latest.values():
+            if snap.bye:
+                self.load.forget(snap.replica, now)
+                self.stats.received += 1
+            elif self.load.set_peer_load(
+                snap.replica, snap.work, now, ttl_s=self.ttl_s, seq=snap.seq, epoch=snap.epoch
+            ):
+                self.stats.received += 1
+            else:
+                self.stats.stale += 1
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self._pub is None:
+            self.start()
+        sub = self._sub
+        assert sub is not None
+        interval = self.cfg.publish_interval_s
+        next_pub = self.clock()
+        try:
+            while not stop.is_set():
+                # What arrived while this loop was held up (a busy event loop) is applied
+                # before expiring: a live peer's share must not lapse for our own delay.
+                self.receive(await self._pending(sub))
+                now = self.clock()
+                self.stats.expired += len(self.load.expire(now))
+                if now >= next_pub:
+                    self.publish()
+                    next_pub = now + interval
+                await sub.poll(max(int((next_pub - self.clock()) * 1000), 0), zmq.POLLIN)
+        except zmq.ZMQError:
+            if not stop.is_set() and self._sub is not None:
+                raise
+
+    async def _pending(self, sub: zmq.asyncio.Socket, limit: int = 1000) -> list[bytes]:
+        payloads: list[bytes] = []
+        while len(payloads) < limit:
+            try:
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) == 2 and frames[0] == TOPIC:
+                payloads.append(frames[1])
+            else:
+                self.stats.invalid += 1
+        return payloads
+
+    def close(self) -> None:
+        """Say goodbye (peers drop this replica's share at once) and close the sockets; the
+        peers' shares leave these books too."""
+        with contextlib.suppress(zmq.ZMQError):
+            self.publish(bye=True)
+        if self._pub is not None:
+            self._pub.close(linger=100)  # long enough for the goodbye to leave on loopback
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self._pub = self._sub = None
+        self.load.clear(self.clock())
+        if self._own_ctx:
+            self._ctx.term()
+
+    @property
+    def peers(self) -> Mapping[str, float]:
+        return self.load.peers
