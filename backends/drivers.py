@@ -25,21 +25,18 @@ import aiohttp
 from backends import http1
 from backends.legs import (
     ForwardPlan,
-    Http1UpstreamResponse,
     Target,
     UpstreamError,
     UpstreamResponse,
     post_leg,
     read_leg,
-    upstream_of,
 )
 from backends.vllm_pd import VLLMDriver, vllm_prefill_body
-from config.settings import Protocol as WireProtocol
+from config.settings import PDProtocol
 
 __all__ = [
     "ColocatedDriver",
     "ForwardPlan",
-    "Http1UpstreamResponse",
     "ProtocolDriver",
     "SGLangDriver",
     "Target",
@@ -53,7 +50,12 @@ __all__ = [
 
 
 class ProtocolDriver(Protocol):
-    async def open(self, session: aiohttp.ClientSession, plan: ForwardPlan) -> UpstreamResponse: ...
+    async def open(
+        self, session: aiohttp.ClientSession | None, plan: ForwardPlan
+    ) -> UpstreamResponse:
+        """Post the plan's legs and return the answer to stream back. ``session`` carries the
+        legs the lean HTTP/1.1 client does not (backends/transport.py)."""
+        ...
 
 
 def sglang_bodies(body: Mapping[str, Any], prefill: Target, room: int) -> dict[str, Any]:
@@ -76,7 +78,9 @@ class SGLangDriver:
         self._rng = rng or random.Random()
         self.client = client
 
-    async def open(self, session: aiohttp.ClientSession, plan: ForwardPlan) -> UpstreamResponse:
+    async def open(
+        self, session: aiohttp.ClientSession | None, plan: ForwardPlan
+    ) -> UpstreamResponse:
         room = self._rng.getrandbits(63)
         body = sglang_bodies(plan.body, plan.prefill, room)
         prefill_body = dict(body)
@@ -95,11 +99,11 @@ class SGLangDriver:
                 resp.close()
 
         prefill_task.add_done_callback(prefill_finished)
-        return upstream_of(resp, plan.decode.instance_id, (prefill_task,))
+        return UpstreamResponse(resp, plan.decode.instance_id, (prefill_task,))
 
     @staticmethod
     async def _drain(
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None,
         plan: ForwardPlan,
         body: dict[str, Any],
         client: http1.Http1Client | None = None,
@@ -116,17 +120,19 @@ class ColocatedDriver:
     def __init__(self, client: http1.Http1Client | None = None) -> None:
         self.client = client
 
-    async def open(self, session: aiohttp.ClientSession, plan: ForwardPlan) -> UpstreamResponse:
+    async def open(
+        self, session: aiohttp.ClientSession | None, plan: ForwardPlan
+    ) -> UpstreamResponse:
         body = plan.raw_body if plan.raw_body is not None else plan.body
         leg = await post_leg(session, plan.decode, plan, body, self.client)
-        return upstream_of(leg, plan.decode.instance_id)
+        return UpstreamResponse(leg, plan.decode.instance_id)
 
 
 def driver_for(
-    protocol: WireProtocol, disaggregated: bool, client: http1.Http1Client | None = None
+    protocol: PDProtocol, disaggregated: bool, client: http1.Http1Client | None = None
 ) -> ProtocolDriver:
     if not disaggregated:
         return ColocatedDriver(client)
-    if protocol is WireProtocol.SGLANG:
+    if protocol is PDProtocol.SGLANG:
         return SGLangDriver(client=client)
     return VLLMDriver(client)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import msgpack
 
+from config.errors import KvgateError
 from routing.types import AllBlocksCleared, Tier
 
 _MASK64 = (1 << 64) - 1
@@ -46,7 +47,7 @@ _TIER_MEDIUM = {Tier.GPU: "GPU", Tier.HOST: "CPU", Tier.STORE: "DISK"}
 ExtraKeys = tuple[object, ...] | None  # one block's untagged extra keys (LoRA name, salt, ...)
 
 
-class KVEventDecodeError(ValueError):
+class KVEventDecodeError(KvgateError, ValueError):
     """A payload that is not a KV event batch in either known encoding."""
 
 

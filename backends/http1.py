@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import cast
 
 import httptools
 
@@ -46,8 +47,10 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
 
     # ------------------------------------------------------------ transport
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A TCP connection gets a full transport (write, pause_reading, ...); under uvloop its
+        # class is not an asyncio.Transport subclass, so a cast, not an isinstance check.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -280,6 +283,11 @@ class Response:
         async for chunk in self.chunks():
             parts.append(chunk)
         return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with an answer read to its end (the transport ``Leg`` contract): ``close``
+        keeps a complete answer's connection in the pool and aborts any other."""
+        self.close()
 
     def close(self) -> None:
         """Done with the answer; closes the connection if the answer is not complete."""

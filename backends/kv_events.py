@@ -68,6 +68,7 @@ class SubscriberStats:
     received: int = 0  # messages off the SUB socket
     gaps: int = 0  # sequence gaps detected
     replayed: int = 0  # batches recovered through the replay socket
+    caught_up: int = 0  # batches from before the first message, replayed on joining
     resyncs: int = 0  # times on_resync was called
     decode_errors: int = 0
     unknown_events: int = 0  # events skipped for an unknown tag
@@ -81,7 +82,9 @@ class KVEventSubscriber:
     there is no replay endpoint or the replay cannot fill the whole gap (buffer rolled over,
     timeout), it calls ``on_resync(instance_id)`` so the caller drops that instance's cache
     view, which later events rebuild. A sequence that goes backwards means the publisher
-    restarted (its cache is empty now), which is also a resync.
+    restarted (its cache is empty now), which is also a resync. Joining a publisher whose
+    first message is not seq 0 (a restarted gateway, another replica), it first replays what
+    the publisher's buffer still holds, so the view includes blocks cached before it joined.
 
     ``endpoint`` is the engine's own KV event endpoint (see ``resolve_endpoint``;
     ``engine_host`` replaces a wildcard host, ``bind`` forces a side). When the rule says
@@ -127,6 +130,7 @@ class KVEventSubscriber:
         self._sub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self.last_seq: int | None = None
+        self._replayed_history = False  # last_seq came from the replay buffer, not the stream
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
@@ -142,6 +146,10 @@ class KVEventSubscriber:
         self._sub = sub
         try:
             self._attach(sub)
+            if self._replay_endpoint is not None and self.last_seq is None:
+                # Subscribed first, so nothing published from now on is missed; then what
+                # the engine cached before this gateway (re)started.
+                await self._catch_up(None)
             while not stop.is_set() and self._sub is sub:
                 if await sub.poll(self._poll_ms, zmq.POLLIN):
                     await self._handle(await sub.recv_multipart())
@@ -196,11 +204,15 @@ class KVEventSubscriber:
             log.warning("%s: bad KV event frames (%d parts)", self.instance_id, len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
-        # The first message is the baseline, whatever its seq: a subscriber that joins late
-        # starts from an empty view anyway, and replaying a publisher's whole history buffer
-        # (which may already have rolled over) would not make that view complete.
         last = self.last_seq
-        if last is not None and seq <= last:
+        if self._replayed_history and last is not None and seq <= last:
+            return  # published before the replay answered: already delivered from the buffer
+        self._replayed_history = False
+        if last is None and seq > 0:
+            # Joining late (a restarted gateway, a new replica): what the engine's replay
+            # buffer still holds rebuilds the view of the blocks it cached before.
+            await self._catch_up(seq)
+        elif last is not None and seq <= last:
             log.info(
                 "%s: KV event seq %d after %d, publisher restarted", self.instance_id, seq, last
             )
@@ -244,8 +256,45 @@ class KVEventSubscriber:
 
     async def _replay_range(self, start: int, end: int) -> bool:
         """Fetch and deliver batches ``start..end-1``; False if any of them is missing."""
+        got = await self._fetch(start, end)
+        if got is None or any(s not in got for s in range(start, end)):
+            return False  # replay buffer no longer holds the whole gap
+        for s in range(start, end):
+            self.stats.replayed += 1
+            self._deliver(got[s])
+        return True
+
+    async def _catch_up(self, end: int | None) -> None:
+        """Delivers the batches before ``end`` (None: all) that the publisher's replay buffer
+        still holds: the contiguous run ending at the newest one (a buffer that rolled over
+        gives its newest part). Blocks stored before that run stay unknown, an under-count
+        the engine's usage reports correct; removals of blocks never seen are no-ops."""
+        got = await self._fetch(0, end)
+        if not got:
+            return
+        last = max(got) if end is None else end - 1
+        first = last + 1
+        while first - 1 in got:
+            first -= 1
+        for s in range(first, last + 1):
+            self.stats.caught_up += 1
+            self._deliver(got[s])
+        if first <= last:
+            if end is None:
+                self.last_seq, self._replayed_history = last, True
+            log.info(
+                "%s: caught up on %d KV event batches (seq %d..%d) from the engine's replay buffer",
+                self.instance_id,
+                last + 1 - first,
+                first,
+                last,
+            )
+
+    async def _fetch(self, start: int, end: int | None) -> dict[int, bytes] | None:
+        """Batches ``start..end-1`` (None: all from ``start``) the replay ROUTER sends; None
+        without an endpoint or on a timeout."""
         if self._replay_endpoint is None:
-            return False
+            return None
         if self._replay is None:
             self._replay = self._socket(zmq.DEALER)
             self._replay.connect(self._replay_endpoint)
@@ -260,7 +309,7 @@ class KVEventSubscriber:
                 sock.close(linger=0)
                 self._replay = None
                 log.warning("%s: KV event replay timed out", self.instance_id)
-                return False
+                return None
             reply = await sock.recv_multipart()
             if reply and reply[0] == b"":
                 reply = reply[1:]
@@ -272,12 +321,6 @@ class KVEventSubscriber:
                 continue
             seq = int.from_bytes(reply[0], "big", signed=True)
             if seq == _END_SEQ:
-                break
-            if start <= seq < end:
+                return got
+            if seq >= start and (end is None or seq < end):
                 got[seq] = reply[1]
-        if any(s not in got for s in range(start, end)):
-            return False  # replay buffer no longer holds the whole gap
-        for s in range(start, end):
-            self.stats.replayed += 1
-            self._deliver(got[s])
-        return True

@@ -50,7 +50,7 @@ class InstanceSlots:
 
     slots: list[SlotState]
     min_match_blocks: int = 1
-    max_waiting: int = 1  # requests queued behind the running one before spilling to another slot
+    max_waiting: int = 3  # requests queued behind the running one before spilling to another slot
 
     def choose(self, blocks: Sequence[int], now: float) -> SlotChoice:
         matches = [_common_prefix(s.blocks, blocks) for s in self.slots]
@@ -87,7 +87,7 @@ class SlotBook:
     """Slot choices for every llama.cpp instance, and which request holds which slot."""
 
     min_match_blocks: int = 1
-    max_waiting: int = 1
+    max_waiting: int = 3
     instances: dict[str, InstanceSlots] = field(default_factory=dict)
     _held: dict[str, tuple[str, int]] = field(default_factory=dict)  # request -> (instance, slot)
 

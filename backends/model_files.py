@@ -16,10 +16,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from backends.tokenizer_file import load_tokenizer
+from config.errors import KvgateError
 from config.settings import RoutingSettings
 from routing.chat_template import ChatTemplate, ChatTemplateError
 from routing.prompt_encoder import ApproxPromptEncoder, EnginePromptEncoder, PromptEncoder
-from routing.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvgate.model_files")
 
@@ -31,7 +32,7 @@ _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "mask_token")  # fmt: skip
 
 
-class ModelFilesError(ValueError):
+class ModelFilesError(KvgateError, ValueError):
     """A model directory kvgate cannot use; the message names the file."""
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config.errors import KvgateError
 from config.settings import PredictorSettings
-from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.calibration import (
     CalibratedProfile,
     ProfileDataError,
@@ -23,7 +23,7 @@ from predictors.calibration import (
 from predictors.samples import PrefillSamples
 
 
-class ProfileFileError(ValueError):
+class ProfileFileError(KvgateError, ValueError):
     """A profile file cannot be used; the message starts with the file (and names the key)."""
 
 
@@ -92,23 +92,3 @@ def load_measured_profiles(settings: PredictorSettings) -> MeasuredProfiles:
         seen[name] = path
         by_name[name] = cal
     return MeasuredProfiles(default, by_name)
-
-
-def measured_predictors(
-    settings: PredictorSettings, measured: MeasuredProfiles
-) -> Callable[[str | None], InstancePredictors] | None:
-    """The Conductor's predictor factory for measured profiles (None: the Conductor's own).
-    One ``InstancePredictors`` per profile name, shared by the instances that use it."""
-    if not measured:
-        return None
-    cache: dict[str | None, InstancePredictors] = {}
-
-    def predictors_for(profile_name: str | None) -> InstancePredictors:
-        if profile_name not in cache:
-            chosen = measured.by_name.get(profile_name) if profile_name else measured.default
-            cache[profile_name] = build_instance_predictors(
-                settings, profile_name, measured=chosen.profile if chosen else None
-            )
-        return cache[profile_name]
-
-    return predictors_for

@@ -31,12 +31,13 @@ from typing import Any
 import aiohttp
 
 from backends.profile_plan import FIRST_TOKEN_ID, SweepPlan
+from config.errors import KvgateError
 from predictors.calibration import SweepSample
 
 Progress = Callable[[int, int], None]
 
 
-class ProfileError(RuntimeError):
+class ProfileError(KvgateError, RuntimeError):
     """The engine cannot be profiled (unreachable, errors on every request, no samples)."""
 
 

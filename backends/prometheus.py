@@ -31,6 +31,8 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from config.errors import KvgateError
+
 Engine = Literal["vllm", "sglang", "llamacpp", "unknown"]
 # What the caller knows about the engine: its flavour, or "auto" to detect it from the names.
 EngineHint = Literal["auto", "vllm", "sglang", "llamacpp"]
@@ -81,7 +83,7 @@ _LLAMA_CACHED = ("llamacpp:prompt_tokens_cached_total",)
 _LLAMA_COMPUTED = ("llamacpp:prompt_tokens_total",)
 
 
-class MetricsParseError(ValueError):
+class MetricsParseError(KvgateError, ValueError):
     """The ``/metrics`` body is not valid Prometheus text exposition format."""
 
 

@@ -40,7 +40,6 @@ from backends.legs import (
     UpstreamResponse,
     post_leg,
     read_leg,
-    upstream_of,
 )
 from config.settings import KVConnector
 
@@ -102,13 +101,15 @@ class VLLMDriver:
         self.client = client
         self.pending: set[asyncio.Task[None]] = set()
 
-    async def open(self, session: aiohttp.ClientSession, plan: ForwardPlan) -> UpstreamResponse:
+    async def open(
+        self, session: aiohttp.ClientSession | None, plan: ForwardPlan
+    ) -> UpstreamResponse:
         if plan.prefill.kv_connector is KVConnector.SHARED_STORAGE:
             return await self._open_shared_storage(session, plan)
         return await self._open_nixl(session, plan)
 
     async def _prefill(
-        self, session: aiohttp.ClientSession, plan: ForwardPlan, body: dict[str, Any]
+        self, session: aiohttp.ClientSession | None, plan: ForwardPlan, body: dict[str, Any]
     ) -> Any:
         """Runs the prefill leg to its answer. Cancelled meanwhile, the leg is closed and the
         prefill engine aborts the request (and frees its blocks)."""
@@ -121,7 +122,7 @@ class VLLMDriver:
             ) from exc
 
     async def _open_nixl(
-        self, session: aiohttp.ClientSession, plan: ForwardPlan
+        self, session: aiohttp.ClientSession | None, plan: ForwardPlan
     ) -> UpstreamResponse:
         # The prefill leg is shielded too: a leg closed while the engine is already done with
         # it (the one token computed, the answer on its way) would leave the blocks pinned for
@@ -151,10 +152,10 @@ class VLLMDriver:
         except UpstreamError as exc:
             _note_stranded(plan, exc)
             raise
-        return upstream_of(leg, plan.decode.instance_id)
+        return UpstreamResponse(leg, plan.decode.instance_id)
 
     def _release(
-        self, session: aiohttp.ClientSession, prefill: asyncio.Future[Any], plan: ForwardPlan
+        self, session: aiohttp.ClientSession | None, prefill: asyncio.Future[Any], plan: ForwardPlan
     ) -> None:
         """A request cancelled during its prefill: once the prefill answers, its decode leg
         reaches the decode engine and is aborted, which frees the prefill's blocks."""
@@ -190,14 +191,14 @@ class VLLMDriver:
         task.add_done_callback(self.pending.discard)
 
     async def _open_shared_storage(
-        self, session: aiohttp.ClientSession, plan: ForwardPlan
+        self, session: aiohttp.ClientSession | None, plan: ForwardPlan
     ) -> UpstreamResponse:
         await self._prefill(session, plan, one_token_body(plan.body))
         if plan.on_prefill_done is not None:
             plan.on_prefill_done()
         body = plan.raw_body if plan.raw_body is not None else plan.body
         leg = await post_leg(session, plan.decode, plan, body, self.client)
-        return upstream_of(leg, plan.decode.instance_id)
+        return UpstreamResponse(leg, plan.decode.instance_id)
 
 
 def _note_stranded(plan: ForwardPlan, exc: UpstreamError) -> None:

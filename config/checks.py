@@ -10,16 +10,18 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from config.checker import Checker
 from config.errors import MISSING, IssueCollector
+from config.replica_checks import check_replicas
 from config.settings import (
     AdmissionSettings,
     EngineKind,
     InstanceSettings,
     KVConnector,
+    PDProtocol,
     PeerOverloadSettings,
     PoolSettings,
     PredictorSettings,
-    Protocol,
     ReplicationSettings,
     Role,
     RoutingSettings,
@@ -27,6 +29,7 @@ from config.settings import (
     Settings,
     SLOSettings,
 )
+from config.tenant_checks import check_tenants
 
 MAX_BLOCK_SIZE = 4096
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -69,55 +72,8 @@ def assign_pool_models(data: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**data, "pools": filled}
 
 
-class _Checker:
-    def __init__(self, issues: IssueCollector) -> None:
-        self.issues = issues
-
-    def require(self, ok: bool, key: str, value: Any, message: str) -> None:
-        if not ok:
-            self.issues.add(key, value, message)
-
-    def positive(self, key: str, value: float | None) -> None:
-        if value is not None:
-            self.require(value > 0, key, value, "must be > 0")
-
-    def at_least(self, key: str, value: float | None, low: float) -> None:
-        if value is not None:
-            self.require(value >= low, key, value, f"must be >= {low}")
-
-    def between(self, key: str, value: float | None, low: float, high: float) -> None:
-        if value is not None:
-            self.require(low <= value <= high, key, value, f"must be in {low}..{high}")
-
-    def fraction(self, key: str, value: float) -> None:
-        self.require(0.0 <= value < 1.0, key, value, "must be in [0, 1)")
-
-    def non_empty(self, key: str, value: str | None) -> None:
-        if value is not None:
-            self.require(value.strip() != "", key, value, "must not be empty")
-
-    def ordered(self, low_key: str, low: float, high_key: str, high: float) -> None:
-        """low <= high, reported on whichever key an override set (that is what changed)."""
-        if low <= high:
-            return
-        if self.issues.origin(high_key) and not self.issues.origin(low_key):
-            self.issues.add(high_key, high, f"must be >= {low_key} ({low})")
-        else:
-            self.issues.add(low_key, low, f"must be <= {high_key} ({high})")
-
-    def unique(
-        self, key: str, value: Any, seen: dict[Any, str], what: str, norm: Any = None
-    ) -> None:
-        """``value`` (compared as ``norm`` when given) must not have been seen before."""
-        ident = value if norm is None else norm
-        if ident in seen:
-            self.issues.add(key, value, f"duplicate {what} (also at {seen[ident]})")
-        else:
-            seen[ident] = key
-
-
 def check_settings(s: Settings, issues: IssueCollector) -> None:
-    c = _Checker(issues)
+    c = Checker(issues)
     _check_slo(c, s.slo)
     _check_routing(c, s.routing)
     _check_admission(c, s.admission)
@@ -133,9 +89,11 @@ def check_settings(s: Settings, issues: IssueCollector) -> None:
     _check_replication(c, s.replication)
     _check_pool_sinks(c, s.pools)
     _check_server(c, s.server)
+    check_tenants(c, s.tenants)
+    check_replicas(c, s.replicas)
 
 
-def _check_slo(c: _Checker, slo: SLOSettings) -> None:
+def _check_slo(c: Checker, slo: SLOSettings) -> None:
     for name in ("ttft_s", "tbt_s", "min_ttft_s", "min_tbt_s"):
         c.positive(f"slo.{name}", getattr(slo, name))
     c.ordered("slo.min_ttft_s", slo.min_ttft_s, "slo.max_ttft_s", slo.max_ttft_s)
@@ -159,8 +117,10 @@ def _check_slo(c: _Checker, slo: SLOSettings) -> None:
     )
 
 
-def _check_routing(c: _Checker, r: RoutingSettings) -> None:
+def _check_routing(c: Checker, r: RoutingSettings) -> None:
     c.non_empty("routing.policy", r.policy)
+    if r.policy.strip():
+        _check_policy(c, r)
     c.between("routing.block_size", r.block_size, 1, MAX_BLOCK_SIZE)
     c.at_least("routing.kvcache_balancing_threshold", r.kvcache_balancing_threshold, 1)
     c.at_least("routing.min_transfer_blocks", r.min_transfer_blocks, 0)
@@ -169,10 +129,24 @@ def _check_routing(c: _Checker, r: RoutingSettings) -> None:
     c.non_empty("routing.model_dir", r.model_dir)
     c.non_empty("routing.tokenizer_file", r.tokenizer_file)
     c.positive("routing.chars_per_token", r.chars_per_token)
-    c.at_least("routing.seed", r.seed, 0)  # numpy's default_rng rejects negative seeds
+    c.at_least("routing.seed", r.seed, 0)  # a seed is an id to reproduce a run: kept >= 0
 
 
-def _check_admission(c: _Checker, a: AdmissionSettings) -> None:
+def _check_policy(c: Checker, r: RoutingSettings) -> None:
+    """The policy's name and parameters, checked here once for every entry point (the CLI,
+    serve, reload, the admin API): building the policy is how they are validated."""
+    # Imported here: the policies import config.settings, so a top-level import would cycle.
+    from routing.policies.registry import PolicyError, build_policy
+
+    try:
+        build_policy(r.policy, r.params)
+    except PolicyError as exc:
+        c.require(False, exc.key, exc.value, exc.detail)
+    except (TypeError, ValueError) as exc:  # the policy's own constructor refused a value
+        c.require(False, "routing.params", dict(r.params), str(exc))
+
+
+def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     c.positive("admission.ttft_margin", a.ttft_margin)
     c.positive("admission.tbt_margin", a.tbt_margin)
     c.at_least("admission.retry_after_min_s", a.retry_after_min_s, 0)
@@ -190,7 +164,7 @@ def _check_admission(c: _Checker, a: AdmissionSettings) -> None:
 PEER_POLICIES = ("sglang_cache_aware", "llmd_weighted", "dynamo_kv")
 
 
-def _check_peer_overload(c: _Checker, p: PeerOverloadSettings) -> None:
+def _check_peer_overload(c: Checker, p: PeerOverloadSettings) -> None:
     key = "admission.peer."
     c.require(
         p.smg_max_concurrent_requests == -1 or p.smg_max_concurrent_requests >= 1,
@@ -221,7 +195,7 @@ def _check_peer_overload(c: _Checker, p: PeerOverloadSettings) -> None:
     c.at_least(key + "dynamo_max_num_batched_tokens", p.dynamo_max_num_batched_tokens, 1)
 
 
-def _check_predictors(c: _Checker, p: PredictorSettings) -> None:
+def _check_predictors(c: Checker, p: PredictorSettings) -> None:
     c.non_empty("predictors.profile", p.profile)
     c.non_empty("predictors.prefill_model_file", p.prefill_model_file)
     c.non_empty("predictors.profile_file", p.profile_file)
@@ -235,7 +209,7 @@ def _check_predictors(c: _Checker, p: PredictorSettings) -> None:
     c.at_least("predictors.default_output_tokens", p.default_output_tokens, 1)
 
 
-def _check_pools(c: _Checker, pools: tuple[PoolSettings, ...]) -> None:
+def _check_pools(c: Checker, pools: tuple[PoolSettings, ...]) -> None:
     pool_names: dict[Any, str] = {}
     ids: dict[Any, str] = {}
     urls: dict[Any, str] = {}
@@ -266,7 +240,7 @@ def _check_pools(c: _Checker, pools: tuple[PoolSettings, ...]) -> None:
     _check_kv_connectors(c, disaggregated)
 
 
-def _check_kv_connectors(c: _Checker, disaggregated: list[tuple[str, InstanceSettings]]) -> None:
+def _check_kv_connectors(c: Checker, disaggregated: list[tuple[str, InstanceSettings]]) -> None:
     """A model's prefill and decode engines move KV one way: one vLLM connector style each."""
     first: dict[str | None, KVConnector] = {}
     for ikey, inst in disaggregated:
@@ -278,7 +252,7 @@ def _check_kv_connectors(c: _Checker, disaggregated: list[tuple[str, InstanceSet
             return
 
 
-def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSettings) -> None:
+def _check_instance(c: Checker, key: str, inst: InstanceSettings, pool: PoolSettings) -> None:
     c.non_empty(f"{key}.id", inst.id)
     parts = urlsplit(inst.url)
     c.require(
@@ -305,14 +279,14 @@ def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSet
     c.between(f"{key}.bootstrap_port", inst.bootstrap_port, 1, 65535)
     if inst.bootstrap_port is not None:
         c.require(
-            inst.protocol is Protocol.SGLANG,
+            inst.protocol is PDProtocol.SGLANG,
             f"{key}.bootstrap_port",
             inst.bootstrap_port,
             f'is only used with protocol = "sglang" (this instance is "{inst.protocol}")',
         )
     if inst.kv_connector is not None:
         c.require(
-            inst.protocol is Protocol.VLLM,
+            inst.protocol is PDProtocol.VLLM,
             f"{key}.kv_connector",
             inst.kv_connector,
             f'is only used with protocol = "vllm" (this instance is "{inst.protocol}")',
@@ -338,6 +312,19 @@ def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSet
         inst.kv_events_bind,
         "is only used with kv_events_endpoint",
     )
+    replay = inst.kv_events_replay_endpoint
+    c.require(
+        replay is None or inst.kv_events_endpoint is not None,
+        f"{key}.kv_events_replay_endpoint",
+        replay,
+        "is only used with kv_events_endpoint",
+    )
+    c.require(
+        replay is None or replay.startswith(_ZMQ_SCHEMES),
+        f"{key}.kv_events_replay_endpoint",
+        replay,
+        "must be a ZMQ endpoint such as tcp://127.0.0.1:5558 (the engine binds it)",
+    )
     c.require(
         inst.engine is not EngineKind.LLAMACPP or inst.role is Role.BOTH,
         f"{key}.engine",
@@ -346,7 +333,7 @@ def _check_instance(c: _Checker, key: str, inst: InstanceSettings, pool: PoolSet
     )
 
 
-def _check_models(c: _Checker, s: Settings) -> None:
+def _check_models(c: Checker, s: Settings) -> None:
     pools = {p.name: p for p in s.pools}
     names: dict[Any, str] = {}
     served_by: dict[str, str] = {}
@@ -390,7 +377,7 @@ def _check_models(c: _Checker, s: Settings) -> None:
             )
 
 
-def _check_replication(c: _Checker, r: ReplicationSettings) -> None:
+def _check_replication(c: Checker, r: ReplicationSettings) -> None:
     for name in ("hot_rate_per_s", "rate_half_life_s", "timeout_s"):
         c.positive(f"replication.{name}", getattr(r, name))
     for name in ("min_prefix_blocks", "max_replicas", "max_in_flight"):
@@ -408,7 +395,7 @@ def _check_replication(c: _Checker, r: ReplicationSettings) -> None:
     c.at_least("replication.warmup_prefix_bytes", r.warmup_prefix_bytes, 1)
 
 
-def _check_pool_sinks(c: _Checker, pools: tuple[PoolSettings, ...]) -> None:
+def _check_pool_sinks(c: Checker, pools: tuple[PoolSettings, ...]) -> None:
     # Prefix copies go to instances that prefill; a decode pool never receives one.
     for i, pool in enumerate(pools):
         c.require(
@@ -419,7 +406,7 @@ def _check_pool_sinks(c: _Checker, pools: tuple[PoolSettings, ...]) -> None:
         )
 
 
-def _check_server(c: _Checker, s: ServerSettings) -> None:
+def _check_server(c: Checker, s: ServerSettings) -> None:
     c.non_empty("server.host", s.host)
     c.at_least("server.refit_interval_s", s.refit_interval_s, 0)
     c.at_least("server.refit_min_samples", s.refit_min_samples, 1)

@@ -93,7 +93,13 @@ class ConfigIssue:
         )
 
 
-class ConfigError(Exception):
+class KvgateError(Exception):
+    """Base of kvgate's own errors (bad config, trace, profile, model files, policy, prompt):
+    an entry point catches this one type, plus OSError for the files it opens, instead of a
+    tuple that grows with every module."""
+
+
+class ConfigError(KvgateError):
     """Invalid configuration. ``source``/``key``/``value``/``message`` describe the first
     problem; ``errors`` holds every problem found (``str()`` shows them one per line)."""
 

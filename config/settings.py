@@ -21,7 +21,11 @@ class Role(StrEnum):
     BOTH = "both"
 
 
-class Protocol(StrEnum):
+class PDProtocol(StrEnum):
+    """How kvgate talks to an instance's engine, its P/D legs included: vLLM's protocol,
+    SGLang's bootstrap handshake, or a plain OpenAI-compatible server. (Not ``Protocol``:
+    that name is typing's, and the seams use it.)"""
+
     VLLM = "vllm"
     SGLANG = "sglang"
     OPENAI = "openai"
@@ -126,7 +130,8 @@ class SLOSettings:
 @dataclass(frozen=True, slots=True)
 class RoutingSettings:
     policy: str = "kvcache_centric"
-    # Policy-specific parameters, validated by the policy's own Params dataclass.
+    # Policy-specific parameters: keyword arguments of the policy's constructor, checked by name
+    # and type when the policy is built (routing/policies/registry.py).
     params: Mapping[str, Any] = field(default_factory=frozen_mapping)
     block_size: int = 16
     # Algorithm 1: pull the best holder's prefix when best_len / local_len >= this ratio.
@@ -142,6 +147,10 @@ class RoutingSettings:
     # instance (running + still in prefill); "current" = TBT of the running batch only
     # (Mooncake's load balancing; herds requests onto instances whose newcomers are in prefill).
     decode_placement: DecodePlacement = DecodePlacement.COMMITTED
+    # Conditional disaggregation: prefill on the chosen decode instance (no KV transfer) when
+    # the predictors say that beats the prefill pool (routing/conditional_disagg.py). Off:
+    # it did not raise goodput in the sweeps (docs/experiments.md §2.3).
+    conditional_disagg: bool = False
     # Hugging Face model directory (tokenizer.json + chat template): the engine's own prompt
     # tokens (backends/model_files.py). None = tokenizer_file, else the approximate tokenizer.
     model_dir: str | None = None
@@ -151,8 +160,10 @@ class RoutingSettings:
     # llama.cpp instances: pin each request to the slot (``id_slot``) that holds its longest
     # prefix, waiting behind at most this many queued requests before taking another slot
     # (backends/llamacpp_slots.py); off = llama-server picks, and thrashes hot prefixes.
+    # 3, not 1: waiting for the slot beat spilling into (and evicting) another one on real
+    # llama-servers, 6 and 8 prompts (docs/real-engines.md section 3).
     llamacpp_slot_affinity: bool = True
-    llamacpp_slot_max_waiting: int = 1
+    llamacpp_slot_max_waiting: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +236,7 @@ class InstanceSettings:
     id: str
     url: str
     role: Role
-    protocol: Protocol = Protocol.VLLM
+    protocol: PDProtocol = PDProtocol.VLLM
     profile: str | None = None  # None = predictors.profile
     capacity_tokens: int | None = None  # GPU KV capacity; None = the profile's
     host_capacity_tokens: int = 0  # HiCache-style host tier; 0 = none
@@ -236,6 +247,9 @@ class InstanceSettings:
     # kvgate binds host:5557).
     kv_events_endpoint: str | None = None
     kv_events_bind: bool | None = None  # force kvgate's side: true = bind, false = connect
+    # The engine's replay ROUTER (vLLM: ``replay_endpoint`` in --kv-events-config, e.g.
+    # tcp://*:5558): fills sequence gaps, and a gateway that (re)starts catches up from it.
+    kv_events_replay_endpoint: str | None = None
     engine: EngineKind = EngineKind.AUTO  # metrics flavour (and llama.cpp's /slots)
     # Served model name; filled from the pool (models[].pools) when the config has models.
     model: str | None = None
@@ -345,6 +359,56 @@ class ModelSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantSettings:
+    """One tenant: its weight in fair sharing, its rate limits and its API keys (hashes)."""
+
+    name: str
+    weight: float = 1.0  # share of contended capacity = weight / sum(active tenants' weights)
+    requests_per_s: float | None = None  # None = no limit
+    tokens_per_s: float | None = None  # prompt tokens (as kvgate counts them); None = no limit
+    burst_s: float = 1.0  # each bucket holds this many seconds of its rate (at least 1)
+    # SHA-256 hex of each API key (``printf '%s' "$KEY" | sha256sum``); never the key itself.
+    key_sha256: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TenantsSettings:
+    """Tenants of the OpenAI endpoints (off by default; gateway/tenants.py)."""
+
+    enabled: bool = False
+    # Every request must carry ``Authorization: Bearer <key>`` of a tenant (else 401).
+    require_key: bool = True
+    keys_file: str | None = None  # more keys, one "TENANT SHA256HEX" a line (reloadable)
+    # A header naming the tenant, set by a trusted proxy in front; honoured only when set here
+    # and only for requests without a key.
+    header: str | None = None
+    default_tenant: str | None = None  # require_key = false: requests with no key nor header
+    # Under contention a tenant over its weighted share is admitted only with this fraction
+    # of each SLO left unused, so it is shed before a tenant within its share.
+    fair_share: bool = True
+    over_share_headroom: float = 0.5
+    share_half_life_s: float = 5.0  # a tenant's recent demand decays with this half-life
+    active_window_s: float = 10.0  # a tenant is active this long after its last request
+    tenant: tuple[TenantSettings, ...] = ()
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicasSettings:
+    """Several kvgate replicas in front of one fleet (off by default; docs/replicas.md): each
+    publishes its dispatched-but-unfinished work over ZMQ PUB and counts the peers' as load."""
+
+    enabled: bool = False
+    replica_id: str | None = None  # None = "<hostname>:<pid>"
+    bind: str = "tcp://127.0.0.1:5600"  # this replica's PUB endpoint
+    peers: tuple[str, ...] = ()  # the other replicas' ``bind`` endpoints (SUB connects)
+    publish_interval_s: float = 0.05
+    ttl_s: float | None = None  # a silent peer's share expires after this; None = 3 intervals
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     slo: SLOSettings = field(default_factory=SLOSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
@@ -355,6 +419,8 @@ class Settings:
     models: tuple[ModelSettings, ...] = ()
     replication: ReplicationSettings = field(default_factory=ReplicationSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
+    tenants: TenantsSettings = field(default_factory=TenantsSettings)
+    replicas: ReplicasSettings = field(default_factory=ReplicasSettings)
 
     def instances(self) -> tuple[InstanceSettings, ...]:
         return tuple(i for p in self.pools for i in p.instances)

@@ -22,7 +22,7 @@ from config.settings import InstanceSettings
 from gateway.admin_openapi import OPENAPI
 from gateway.openai import lone_surrogate
 from gateway.runtime import Gateway
-from routing.policies.registry import PolicyError, build_policy
+from gateway.tenants import TenantGate
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -35,8 +35,9 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
 
 
 class AdminAPI:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, tenants: TenantGate | None = None) -> None:
         self.gw = gw
+        self.tenants = tenants  # the completion handler's (GET /admin/tenants)
 
     # ------------------------------------------------------------------ plumbing
     def _auth(self, handler: Handler) -> Handler:
@@ -75,8 +76,7 @@ class AdminAPI:
         merged = dict(current.get(section, {}))
         merged.update(patch)
         current[section] = merged
-        new = settings_from_dict(current, source=f"PUT /admin/{section}")
-        build_policy(new.routing.policy, new.routing.params)  # policy params are validated too
+        new = settings_from_dict(current, source=f"PUT /admin/{section}")  # policy included
         self.gw.apply_settings(new)
         return settings_to_dict(new)[section]
 
@@ -103,6 +103,7 @@ class AdminAPI:
             Route("/admin/state", a(self.state), methods=["GET"]),
             Route("/admin/reload", a(self.reload), methods=["POST"]),
             Route("/admin/models", a(self.models), methods=["GET"]),
+            Route("/admin/tenants", a(self.tenant_view), methods=["GET"]),
             Route("/admin/decisions", a(self.decisions), methods=["GET"]),
             Route("/admin/predictors", a(self.predictors), methods=["GET"]),
             Route("/admin/replication", a(self.replication), methods=["GET"]),
@@ -126,10 +127,8 @@ class AdminAPI:
         async def handler(request: Request) -> Response:
             try:
                 return JSONResponse(self._apply_section(section, await self._json(request)))
-            except ConfigError as exc:
+            except ConfigError as exc:  # the policy and its params included
                 return _error(400, str(exc), "invalid_request_error", exc.key or None)
-            except PolicyError as exc:
-                return _error(400, str(exc), "invalid_request_error", exc.key)
 
         return handler
 
@@ -269,6 +268,11 @@ class AdminAPI:
                 }
             )
         return JSONResponse(out)
+
+    async def tenant_view(self, request: Request) -> Response:
+        """Tenants: weights, limits, keys (counted, never shown), in flight, fair share."""
+        tenants = self.tenants or TenantGate(self.gw)
+        return JSONResponse(tenants.view(self.gw.clock()))
 
     async def decisions(self, request: Request) -> Response:
         try:

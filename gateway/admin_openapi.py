@@ -142,6 +142,13 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "models", **_LIST}, "401": _ERROR},
             }
         },
+        "/admin/tenants": {
+            "get": {
+                "summary": "Tenants: weight, rate limits, number of keys, requests in flight, "
+                "share of recent work against the weighted share, outcomes",
+                "responses": {"200": {"description": "tenants", **_ANY}, "401": _ERROR},
+            }
+        },
         "/admin/decisions": {
             "get": {
                 "summary": "Recent decisions, predicted vs observed TTFT/TBT",

@@ -35,7 +35,7 @@ class GatewayApp:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/openapi.json", self.openapi, methods=["GET"]),
-                *AdminAPI(self.gateway).routes(),
+                *AdminAPI(self.gateway, self._completions.tenants).routes(),
             ],
             # Unknown paths and wrong methods answer in OpenAI's error shape, like the rest.
             exception_handlers={HTTPException: self.http_error},

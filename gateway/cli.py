@@ -11,16 +11,14 @@ from collections.abc import Sequence
 def _config_check(args: argparse.Namespace) -> int:
     from backends.profile_file import ProfileFileError, load_measured_profiles
     from config.loader import ConfigError, load_settings, settings_to_dict
-    from routing.policies.registry import PolicyError, build_policy
 
     try:
-        settings = load_settings(args.file)
-        build_policy(settings.routing.policy, settings.routing.params)
+        settings = load_settings(args.file)  # the policy and its params included
         load_measured_profiles(settings.predictors)  # predictors.profile_file(s), if set
     except ConfigError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
-    except (PolicyError, ProfileFileError) as exc:
+    except ProfileFileError as exc:
         print(f"kvgate: {args.file}: {exc}", file=sys.stderr)
         return 2
     if args.show:
@@ -62,6 +60,12 @@ def _sim_cache(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.serve import main
+
+    return main(args)
+
+
+def _epp(args: argparse.Namespace) -> int:
+    from gateway.epp.cli import main
 
     return main(args)
 
@@ -114,6 +118,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         ),
         ("serve", "run the gateway (OpenAI-compatible reverse proxy)", "gateway.serve", _serve),
         (
+            "epp",
+            "run the gateway as Envoy's endpoint picker (ext_proc gRPC, Gateway API Inference "
+            "Extension)",
+            "gateway.epp.cli",
+            _epp,
+        ),
+        (
             "emulate",
             "run an engine emulator (vLLM/SGLang on the wire)",
             "replay.emulator.cli",
@@ -164,7 +175,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     preds = sub.add_parser("predictors", help="train and evaluate the latency predictors")
     if wanted("predictors"):
         actions = preds.add_subparsers(dest="predictors_command", metavar="ACTION")
-        importlib.import_module("predictors.cli").add_arguments(actions)
+        importlib.import_module("backends.predictors_cli").add_arguments(actions)
     return parser
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 
-from config.settings import AdmissionMode, Protocol, ReplicationSink, Settings
+from config.settings import AdmissionMode, PDProtocol, ReplicationSink, Settings
 from gateway.stack import LiveStack, StackSpec
 from replay.loadgen import LoadOptions, run_load
 from replay.progress import ProgressBar
@@ -76,7 +76,7 @@ async def _run(args: argparse.Namespace) -> int:
         prefill=0 if args.colocated else args.prefill,
         decode=0 if args.colocated else args.decode,
         colocated=args.colocated,
-        protocol=Protocol(args.protocol),
+        protocol=PDProtocol(args.protocol),
         profile=args.profile,
         time_scale=args.time_scale,
         base=base,

@@ -25,6 +25,7 @@ from predictors.prefill import AnalyticPrefill
 from predictors.profiles import PrefillCoeffs
 from predictors.samples import PrefillSamples
 from routing.conductor import Conductor
+from routing.types import Decision
 
 
 @dataclass(slots=True)
@@ -42,6 +43,22 @@ class DecisionRecord:
     observed_ttft_s: float | None = None
     observed_tbt_s: float | None = None
     outcome: str = "in_flight"
+
+    @classmethod
+    def of(cls, request_id: str, at_s: float, d: Decision) -> DecisionRecord:
+        """The record of a placed request, before its answer."""
+        return cls(
+            request_id,
+            at_s,
+            d.prefill,
+            d.decode,
+            d.priority,
+            d.reason,
+            d.prompt_tokens,
+            d.cached_tokens,
+            d.predicted_ttft_s,
+            d.predicted_tbt_s,
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -126,6 +143,21 @@ class Learner:
         s.cached.append(cached_tokens)
         s.seconds.append(seconds)
         s.total += 1
+
+    def observe_answer(self, d: Decision, rec: DecisionRecord, profile: str | None) -> float | None:
+        """What an answered request teaches: its relative TTFT error (returned, for the
+        metric), and its prefill time when nothing else was in it (no queue, no pull: the
+        observed TTFT is then essentially the prefill). Shared by serve and epp."""
+        observed = rec.observed_ttft_s
+        if observed is None:
+            return None
+        if d.predicted_queue_s == 0.0 and d.predicted_transfer_s == 0.0:
+            self.observe_prefill(
+                profile, d.prompt_tokens - d.cached_tokens, d.cached_tokens, observed
+            )
+        if d.predicted_ttft_s > 0:
+            return (observed - d.predicted_ttft_s) / d.predicted_ttft_s
+        return None
 
     def training_set(self, profile: str | None) -> PrefillSamples | None:
         """Prior + observations for ``profile`` when a refit is due, else None."""

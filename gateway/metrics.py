@@ -126,6 +126,28 @@ class GatewayMetrics:
             ["instance"],
             registry=r,
         )
+        # Tenants (config ``tenants``; gateway/tenants.py): one series per configured tenant.
+        self.tenant_requests = Counter(
+            "kvgate_tenant_requests",
+            "Requests by tenant and outcome",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "kvgate_tenant_prompt_tokens",
+            "Prompt tokens admitted per tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_over_share = Counter(
+            "kvgate_tenant_over_share_rejections",
+            "Requests rejected because their tenant was over its fair share (tightened SLO)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_in_flight = Gauge(
+            "kvgate_tenant_in_flight", "Requests in flight per tenant", ["tenant"], registry=r
+        )
         self._reported_prompt = 0
         self._reported_cached = 0
         self._prompt_tokens = 0

@@ -49,14 +49,16 @@ from gateway.relay import (
     usage_tokens,
 )
 from gateway.runtime import Gateway
+from gateway.tenants import Refusal, TenantGate
 from routing.types import Decision, Rejection
 
 
 class CompletionHandler:
     """Handles POST /v1/completions and /v1/chat/completions for one gateway."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, tenants: TenantGate | None = None) -> None:
         self.gw = gw
+        self.tenants = tenants or TenantGate(gw)  # keys, rate limits, fair share (or off)
         requests = gw.metrics.requests
         self._completed = requests.labels("completed")
         self._rejected = requests.labels("rejected")
@@ -65,6 +67,7 @@ class CompletionHandler:
 
     def _count(self, outcome_counter: Any, parsed: ParsedRequest, outcome: str) -> None:
         outcome_counter.inc()
+        self.tenants.count(parsed.info.request_id, outcome)
         if parsed.info.model is not None:  # config ``models``: per-model series too
             self.gw.metrics.model_requests.labels(parsed.info.model, outcome).inc()
 
@@ -78,6 +81,10 @@ class CompletionHandler:
         request_id = given if usable and given is not None else new_request_id()
         if gw.drain.draining:  # shutting down (SIGTERM): the client retries elsewhere
             await self._refuse_draining(send, request_id)
+            return
+        tenant = self.tenants.identify(headers)  # "" with tenants off
+        if isinstance(tenant, Refusal):
+            await tenant.answer(send, request_id)
             return
         try:
             raw = await read_body(receive, gw.settings.server.max_body_bytes)
@@ -96,8 +103,12 @@ class CompletionHandler:
             return
         except BadRequest as exc:
             gw.metrics.requests.labels("bad_request").inc()
+            self.tenants.count(tenant, "bad_request")
             body = error_body(exc.message, "invalid_request_error", param=exc.param, code=exc.code)
             await send_json(send, exc.status, body, [(b"x-request-id", request_id.encode())])
+            return
+        if (refusal := self.tenants.admit(tenant, request_id, parsed.info, gw.clock())) is not None:
+            await refusal.answer(send, request_id)
             return
         # A drain (SIGTERM) waits for this request, or aborts it. Here, not in a wrapper
         # coroutine: every suspension of the answer resumes through each frame of the chain.
@@ -114,6 +125,7 @@ class CompletionHandler:
                 await self._serve(parsed, scope["path"], raw, receive, send)
         finally:
             gw.drain.leave(request_id)
+            self.tenants.leave(request_id)
 
     def _decide(
         self, parsed: ParsedRequest, exclude: frozenset[str]
@@ -132,6 +144,8 @@ class CompletionHandler:
         t0 = time.perf_counter()
         now = gw.clock()
         out = gw.conductor.schedule(parsed.info, now, exclude)
+        if isinstance(out, Decision):  # a tenant over its fair share may be turned away
+            out = self.tenants.screen(out, parsed.info, now)
         if isinstance(out, Decision):
             gw.conductor.dispatched(out, parsed.info, now)
         return out, time.perf_counter() - t0
@@ -182,18 +196,7 @@ class CompletionHandler:
                         asyncio.shield(asyncio.gather(*pulls)),
                         gw.settings.replication.timeout_s,
                     )
-            record = DecisionRecord(
-                rid,
-                gw.clock(),
-                decision.prefill,
-                decision.decode,
-                decision.priority,
-                decision.reason,
-                decision.prompt_tokens,
-                decision.cached_tokens,
-                decision.predicted_ttft_s,
-                decision.predicted_tbt_s,
-            )
+            record = DecisionRecord.of(rid, gw.clock(), decision)
             asyncio.get_running_loop().call_soon(self._account, decision, record, decision_s)
             try:
                 upstream = await self._open(parsed, path, raw, decision)
@@ -335,7 +338,7 @@ class CompletionHandler:
             gw.conductor.finished(rid, now, output_tokens=tokens or None)
             record.outcome = "completed"
             self._count(self._completed, parsed, "completed")
-            self._learn(parsed, d, record, now)
+            self._learn(d, record)
         except (UpstreamError, OSError, asyncio.CancelledError) as exc:
             upstream.close()
             gw.conductor.failed(rid, gw.clock())
@@ -373,22 +376,9 @@ class CompletionHandler:
         with contextlib.suppress(OSError):
             await send_json(send, 503, shutting_down_body(), [(b"retry-after", b"1")])
 
-    def _learn(self, parsed: ParsedRequest, d: Decision, rec: DecisionRecord, now: float):
+    def _learn(self, d: Decision, rec: DecisionRecord) -> None:
         gw = self.gw
-        if rec.observed_ttft_s is not None and d.predicted_ttft_s > 0:
-            gw.metrics.ttft_error.observe(
-                (rec.observed_ttft_s - d.predicted_ttft_s) / d.predicted_ttft_s
-            )
-        # With an empty queue and no pull, the observed TTFT is essentially the prefill.
-        if (
-            rec.observed_ttft_s is not None
-            and d.predicted_queue_s == 0.0
-            and d.predicted_transfer_s == 0.0
-        ):
-            spec = gw.specs.get(d.prefill)
-            gw.learner.observe_prefill(
-                spec.profile if spec else None,
-                d.prompt_tokens - d.cached_tokens,
-                d.cached_tokens,
-                rec.observed_ttft_s,
-            )
+        spec = gw.specs.get(d.prefill)
+        error = gw.learner.observe_answer(d, rec, spec.profile if spec else None)
+        if error is not None:
+            gw.metrics.ttft_error.observe(error)

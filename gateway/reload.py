@@ -42,6 +42,7 @@ RESTART_KEYS: tuple[tuple[str, str | None], ...] = (
     ("replication", "sink"),
     ("predictors", None),
     ("models", None),
+    ("replicas", None),
 )
 
 

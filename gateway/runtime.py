@@ -35,14 +35,17 @@ from backends.kv_events import KVEventSubscriber
 from backends.legs import Failure
 from backends.llamacpp_slots import SlotBook
 from backends.model_files import make_prompt_encoder
-from backends.profile_file import load_measured_profiles, measured_predictors
+from backends.predictor_files import predictor_factory
+from backends.profile_file import load_measured_profiles
 from backends.prometheus import EngineLoad
 from backends.scraper import MetricsScraper
 from config.settings import InstanceSettings, PoolSettings, Role, Settings
+from gateway.capacity_loop import CapacitySignal
 from gateway.drain import Drain
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, build_model_routes
+from gateway.replica_exchange import ReplicaExchange
 from gateway.replicator import EngineView, Replicator
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
@@ -66,10 +69,11 @@ class Gateway:
     def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.clock = clock
-        # predictors.profile_file: a profile measured on the user's engine, read here (the edge).
+        # predictors.profile_file: a profile measured on the user's engine, and
+        # predictors.prefill_model_file, read here (the edge) and handed to the core as data.
         self.measured_profiles = load_measured_profiles(settings.predictors)
         self.conductor = Conductor(
-            settings, measured_predictors(settings.predictors, self.measured_profiles)
+            settings, predictor_factory(settings.predictors, self.measured_profiles)
         )
         self.metrics = GatewayMetrics()
         self.tracing = Tracing(settings.server)
@@ -84,6 +88,10 @@ class Gateway:
             settings.server.refit_min_samples,
             min_new_samples=settings.server.refit_min_new_samples,
             prior=self.measured_profiles.prior(),  # refits continue from the sweeps
+        )
+        # kvgate_pool_instances_needed: demand read each scrape round (gateway/capacity_loop.py)
+        self.capacity = CapacitySignal(
+            self.metrics.registry, self.conductor, self.learner, lambda: self.settings
         )
         self.targets: dict[str, Target] = {}
         self.specs: dict[str, InstanceSettings] = {}
@@ -100,6 +108,12 @@ class Gateway:
         self._stop = asyncio.Event()
         self._engine_models: list[str] = []
         self._engine_models_at = float("-inf")
+        # Other kvgate replicas' dispatched work counts as load here (docs/replicas.md).
+        self.replicas = (
+            ReplicaExchange(settings.replicas, self.conductor, clock)
+            if settings.replicas.enabled
+            else None
+        )
         self.drain = Drain(clock)  # SIGTERM: stop taking requests, finish or abort the rest
         self.config_path: str | None = None  # the file a reload reads (``kvgate serve``)
         self.reload_lock = asyncio.Lock()  # SIGHUP and POST /admin/reload, one at a time
@@ -133,9 +147,9 @@ class Gateway:
         specs = list(self.specs.values())
         disaggregated = any(s.role is Role.DECODE for s in specs)
         protocol = next((s.protocol for s in specs), None)
-        from config.settings import Protocol as WireProtocol
+        from config.settings import PDProtocol
 
-        return driver_for(protocol or WireProtocol.VLLM, disaggregated, self.client)
+        return driver_for(protocol or PDProtocol.VLLM, disaggregated, self.client)
 
     def _http_targets(self) -> dict[str, str]:
         return {iid: t.url for iid, t in self.targets.items()}
@@ -295,6 +309,7 @@ class Gateway:
             self._on_kv_events,
             engine_host=urlsplit(spec.url).hostname or "127.0.0.1",
             bind=spec.kv_events_bind,
+            replay_endpoint=spec.kv_events_replay_endpoint,
             on_resync=self._on_kv_resync,
         )
         self._subscribers[spec.id] = sub
@@ -344,6 +359,9 @@ class Gateway:
         for spec in self.specs.values():
             if spec.kv_events_endpoint:
                 self._subscribe(spec)
+        if self.replicas is not None:
+            self.replicas.start()
+            self._tasks.append(asyncio.create_task(self.replicas.run(self._stop)))
 
     async def _scrape_loop(self) -> None:
         assert self.scraper is not None
@@ -378,6 +396,7 @@ class Gateway:
         for inst in self.conductor.instances.values():
             self.metrics.queue.labels(inst.id).set(inst.queue_time(now))
             self.metrics.batch.labels(inst.id).set(inst.batch)
+        self.capacity.update(now)
 
     async def _refit_loop(self) -> None:
         interval = self.settings.server.refit_interval_s
@@ -397,6 +416,8 @@ class Gateway:
             self.health.cancel_probes()
         for sub in self._subscribers.values():
             sub.close()
+        if self.replicas is not None:
+            self.replicas.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

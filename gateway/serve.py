@@ -108,14 +108,14 @@ async def serve(app: GatewayApp, config: uvicorn.Config) -> None:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from config.loader import ConfigError, load_settings
+    from config.errors import KvgateError
+    from config.loader import load_settings
     from gateway.app import build_app
-    from routing.policies.registry import PolicyError
 
     try:
         settings = load_settings(args.config)
         app = build_app(settings)
-    except (ConfigError, PolicyError, OSError, ValueError) as exc:
+    except (KvgateError, OSError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     app.gateway.config_path = args.config

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import uvicorn
 
-from config.settings import InstanceSettings, PoolSettings, Protocol, Role, Settings
+from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from gateway.app import build_app
 from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
 
@@ -22,7 +22,7 @@ class StackSpec:
     prefill: int = 2
     decode: int = 2
     colocated: int = 0
-    protocol: Protocol = Protocol.VLLM
+    protocol: PDProtocol = PDProtocol.VLLM
     profile: str = "llama3-8b-h100-tp1"
     time_scale: float = 0.05
     block_size: int = 16
@@ -65,7 +65,7 @@ class LiveStack:
                     decode_tbt_limit_ms=s.decode_tbt_limit_ms if role is not Role.PREFILL else None,
                     cache_capacity_tokens=s.cache_capacity_tokens,
                     bootstrap_port=0
-                    if (s.protocol is Protocol.SGLANG and role is Role.PREFILL)
+                    if (s.protocol is PDProtocol.SGLANG and role is Role.PREFILL)
                     else None,
                 )
             )
@@ -80,7 +80,7 @@ class LiveStack:
                     protocol=s.protocol,
                     profile=s.profile,
                     capacity_tokens=s.cache_capacity_tokens if role is not Role.DECODE else None,
-                    bootstrap_port=emu.bootstrap_port if s.protocol is Protocol.SGLANG else None,
+                    bootstrap_port=emu.bootstrap_port if s.protocol is PDProtocol.SGLANG else None,
                     kv_events_endpoint=emu.kv_events_endpoint,
                     # The emulator's publisher binds (as vLLM's does for tcp://*:P): connect.
                     kv_events_bind=False if emu.kv_events_endpoint else None,

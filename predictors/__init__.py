@@ -1,5 +1,5 @@
 """Timing predictors for kvgate: prefill (TTFT), decode step (TBT), KV transfer, output length.
 
-Pure models: no I/O on the request path, no clocks, no globals. Files are read only by explicit
-loaders (samples CSV, saved models) at startup or offline. All times are in seconds.
+Pure models: no I/O, no clocks, no globals. Sample CSVs and saved models are read at the edge
+(backends/predictor_files.py) and parsed here. All times are in seconds.
 """

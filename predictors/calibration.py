@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from config.errors import KvgateError
 from predictors.decode import DecodeSamples, DecodeStepModel
 from predictors.fitting import fit_p5
 from predictors.profiles import (
@@ -36,7 +37,7 @@ PROFILE_FORMAT_VERSION = 1
 BASE_PROFILE = "llama3-8b-h100-tp1"
 
 
-class ProfileDataError(ValueError):
+class ProfileDataError(KvgateError, ValueError):
     """A profile file's content is wrong; ``key`` is the dotted path of the offending value."""
 
     def __init__(self, key: str, message: str) -> None:

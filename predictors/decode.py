@@ -6,14 +6,13 @@ B = sequences in the decode batch, K = their total context tokens (the KV read p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 
 from predictors.fitting import relative_nnls
 from predictors.profiles import EngineProfile
-from predictors.samples import parse_count, parse_time, read_csv_records, select_config
+from predictors.samples import parse_timing_csv
 
 GRID_DECODE_COLUMNS = ("config", "batch", "ctx_per_seq", "ctx_total", "gpu_ms")
 OBSERVED_DECODE_COLUMNS = ("batch", "context_tokens", "step_s")
@@ -32,26 +31,19 @@ class DecodeSamples:
         return len(self.seconds)
 
 
-def load_decode_samples(path: str | Path, config: str | None = None) -> DecodeSamples:
+def parse_decode_samples(text: str, source: str, config: str | None = None) -> DecodeSamples:
     """Calibration decode grid (``config,batch,ctx_per_seq,ctx_total,gpu_ms``) or kvgate observed
     steps (``batch,context_tokens,step_s``). Bad rows raise ``ValueError`` naming file and line."""
-    fmt, recs = read_csv_records(path, (GRID_DECODE_COLUMNS, OBSERVED_DECODE_COLUMNS))
-    if fmt == 0:
-        chosen = select_config(path, [r.values["config"] for r in recs], config)
-        recs = [r for r in recs if r.values["config"] == chosen]
-        cols, scale, overhead = ("batch", "ctx_total", "gpu_ms"), 1e-3, False
-    else:
-        if config is not None:
-            raise ValueError(
-                f"{path}: config filter {config!r} given but file has no config column"
-            )
-        chosen, cols, scale, overhead = None, OBSERVED_DECODE_COLUMNS, 1.0, True
-    if not recs:
-        raise ValueError(f"{path}: no samples")
-    batch = np.array([parse_count(path, r, cols[0]) for r in recs], dtype=np.int64)
-    ctx = np.array([parse_count(path, r, cols[1]) for r in recs], dtype=np.int64)
-    secs = np.array([parse_time(path, r, cols[2]) * scale for r in recs], dtype=np.float64)
-    return DecodeSamples(batch, ctx, secs, str(path), chosen, overhead)
+    cols = parse_timing_csv(
+        text,
+        source,
+        config,
+        (GRID_DECODE_COLUMNS, ("batch", "ctx_total", "gpu_ms")),
+        OBSERVED_DECODE_COLUMNS,
+    )
+    return DecodeSamples(
+        cols.first, cols.second, cols.seconds, source, cols.config, cols.includes_overhead
+    )
 
 
 @dataclass(frozen=True, slots=True)

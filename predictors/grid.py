@@ -11,19 +11,18 @@ is clamped, because extrapolating bilinear weights there could break monotonicit
 Monotonicity: if the table is non-decreasing along n for every cached knot, every prediction is
 too (a convex combination of piecewise-linear non-decreasing functions).
 
-This module also owns reading the model file, so the runtime can load a compiled model without
-importing LightGBM.
+This module also owns checking a model file's document (parsed JSON, read by
+``backends.predictor_files``), so the runtime can load a compiled model without importing
+LightGBM.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 MODEL_FORMAT = "kvgate.learned_prefill"
@@ -131,28 +130,34 @@ class GridPrefill:
         )
 
 
-def read_model_file(path: str | Path) -> dict[str, Any]:
-    """Parse and sanity-check a model file written by ``LearnedPrefill.save``."""
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: not a kvgate prefill model file ({exc})") from None
+def check_model_doc(doc: Any, source: str) -> dict[str, Any]:
+    """Sanity-check the parsed document of a model file written for ``LearnedPrefill``."""
     if not isinstance(doc, dict) or doc.get("format") != MODEL_FORMAT:
-        raise ValueError(f"{p}: not a kvgate prefill model file (format != {MODEL_FORMAT!r})")
+        raise ValueError(f"{source}: not a kvgate prefill model file (format != {MODEL_FORMAT!r})")
     if doc.get("format_version") != MODEL_FORMAT_VERSION:
-        raise ValueError(f"{p}: unsupported model format_version {doc.get('format_version')!r}")
+        raise ValueError(
+            f"{source}: unsupported model format_version {doc.get('format_version')!r}"
+        )
     for key in ("grid", "meta", "booster", "base", "features"):
         if key not in doc:
-            raise ValueError(f"{p}: model file lacks {key!r}")
+            raise ValueError(f"{source}: model file lacks {key!r}")
     return doc
 
 
-def load_compiled(path: str | Path) -> tuple[GridPrefill, dict[str, Any]]:
-    """The compiled table and training metadata of a saved model, without LightGBM."""
-    doc = read_model_file(path)
+@dataclass(frozen=True)
+class SavedPrefill:
+    """A saved model's compiled table and training metadata (what serving needs)."""
+
+    grid: GridPrefill
+    meta: dict[str, Any]
+    source: str
+
+
+def compiled_from_doc(doc: Any, source: str) -> SavedPrefill:
+    """The compiled table and training metadata of a model document, without LightGBM."""
+    doc = check_model_doc(doc, source)
     try:
         grid = GridPrefill.from_dict(doc["grid"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: bad compiled grid: {exc}") from None
-    return grid, dict(doc["meta"])
+        raise ValueError(f"{source}: bad compiled grid: {exc}") from None
+    return SavedPrefill(grid, dict(doc["meta"]), source)

@@ -15,9 +15,7 @@ Design (chosen by held-out MAPE on the calibration grids, see ``TrainReport``):
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import lightgbm as lgb
@@ -29,9 +27,9 @@ from predictors.grid import (
     MODEL_FORMAT,
     MODEL_FORMAT_VERSION,
     GridPrefill,
+    check_model_doc,
     default_c_knots,
     default_n_knots,
-    read_model_file,
 )
 from predictors.profiles import profile_name_for_config
 from predictors.samples import PrefillSamples
@@ -106,8 +104,9 @@ class LearnedPrefill:
         """Booster path, ~0.3 ms: for offline use; serve with ``compiled`` instead."""
         return float(self.predict_many(np.array([new_tokens]), np.array([cached_tokens]))[0])
 
-    def save(self, path: str | Path) -> None:
-        doc = {
+    def to_doc(self) -> dict[str, Any]:
+        """The model file's document (JSON-ready; ``backends.predictor_files`` writes it)."""
+        return {
             "format": MODEL_FORMAT,
             "format_version": MODEL_FORMAT_VERSION,
             "features": list(self.features),
@@ -118,22 +117,27 @@ class LearnedPrefill:
             "grid": self.compiled.to_dict(),
             "booster": self.booster.model_to_string(),
         }
-        Path(path).write_text(json.dumps(doc), encoding="utf-8")
 
     @classmethod
-    def load(cls, path: str | Path) -> LearnedPrefill:
-        doc = read_model_file(path)
+    def from_doc(cls, doc: Any, source: str) -> LearnedPrefill:
+        """The inverse of ``to_doc``; ``source`` names the file in errors."""
+        doc = check_model_doc(doc, source)
         try:
             meta = TrainingMeta(**doc["meta"])
             feats = tuple(doc["features"])
             base = MonotoneBase.from_dict(doc["base"])
             grid = GridPrefill.from_dict(doc["grid"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: malformed model file: {exc}") from None
+            raise ValueError(f"{source}: malformed model file: {exc}") from None
         if feats != FEATURES:
-            raise ValueError(f"{path}: model features {feats} != supported {FEATURES}")
+            raise ValueError(f"{source}: model features {feats} != supported {FEATURES}")
         booster = lgb.Booster(model_str=doc["booster"])
         return cls(booster=booster, base=base, meta=meta, compiled=grid, features=feats)
+
+
+def _file_name(source: str) -> str:
+    """The last component of a path, as metadata (no filesystem access: the core does no I/O)."""
+    return source.replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def _booster_params(seed: int) -> dict[str, Any]:
@@ -231,7 +235,7 @@ def train_prefill_model(
     meta = TrainingMeta(
         config=samples.config,
         profile=profile_name_for_config(samples.config),
-        source=Path(samples.source).name,
+        source=_file_name(samples.source),
         rows=rows,
         train_rows=int(train_idx.size),
         holdout_rows=int(test_idx.size),

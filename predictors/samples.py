@@ -1,20 +1,21 @@
-"""Timing samples from CSV (offline only: training, eval, tests).
+"""Timing samples parsed from CSV text (offline only: training, eval, tests).
 
-Two prefill formats, told apart by the header:
+Two formats per phase, told apart by the header:
 
-* calibration grid: ``config,n_new,n_cached,gpu_ms`` — composed GPU time, no engine overhead;
-* kvgate observed: ``new_tokens,cached_tokens,prefill_s`` — measured, overhead included.
+* calibration grid: ``config,...,gpu_ms`` — composed GPU time, no engine overhead;
+* kvgate observed: ``...,prefill_s`` / ``...,step_s`` — measured, overhead included.
 
-Any bad row raises ``ValueError("<file>:<line>: <reason>")``; times are returned in seconds.
+The text comes from the edge (``backends.predictor_files`` reads the file); ``source`` names it
+in errors. Any bad row raises ``ValueError("<source>:<line>: <reason>")``; times are returned in
+seconds.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
@@ -29,37 +30,32 @@ class CsvRecord:
     values: dict[str, str]
 
 
-def read_csv_records(
-    path: str | Path, formats: Sequence[Sequence[str]]
+def parse_csv_records(
+    lines: Iterable[str], source: str, formats: Sequence[Sequence[str]]
 ) -> tuple[int, list[CsvRecord]]:
-    """Open ``path``, match its header against ``formats`` and return (format index, records).
-
-    Records are read eagerly (the files are small) so the file is closed on return. Missing files
-    raise ``OSError``; callers (the CLI) report it like a bad row.
-    """
-    p = Path(path)
-    with p.open(newline="", encoding="utf-8") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None:
-            raise ValueError(f"{p}:1: empty file")
-        names = [h.strip() for h in header]
-        fmt = next((i for i, f in enumerate(formats) if set(f) <= set(names)), None)
-        if fmt is None:
-            wanted = " or ".join(",".join(f) for f in formats)
-            raise ValueError(f"{p}:1: unrecognised header {','.join(names)!r}; expected {wanted}")
-        records: list[CsvRecord] = []
-        for row in reader:
-            line = reader.line_num
-            if not row or all(not cell.strip() for cell in row):
-                continue
-            if len(row) != len(names):
-                raise ValueError(f"{p}:{line}: expected {len(names)} fields, got {len(row)}")
-            records.append(CsvRecord(line, {k: v.strip() for k, v in zip(names, row, strict=True)}))
+    """Match the header of ``lines`` (CSV text, e.g. ``text.splitlines(keepends=True)``)
+    against ``formats`` and return (format index, records)."""
+    reader = csv.reader(lines)
+    header = next(reader, None)
+    if header is None:
+        raise ValueError(f"{source}:1: empty file")
+    names = [h.strip() for h in header]
+    fmt = next((i for i, f in enumerate(formats) if set(f) <= set(names)), None)
+    if fmt is None:
+        wanted = " or ".join(",".join(f) for f in formats)
+        raise ValueError(f"{source}:1: unrecognised header {','.join(names)!r}; expected {wanted}")
+    records: list[CsvRecord] = []
+    for row in reader:
+        line = reader.line_num
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) != len(names):
+            raise ValueError(f"{source}:{line}: expected {len(names)} fields, got {len(row)}")
+        records.append(CsvRecord(line, {k: v.strip() for k, v in zip(names, row, strict=True)}))
     return fmt, records
 
 
-def parse_count(path: str | Path, rec: CsvRecord, column: str) -> int:
+def parse_count(path: str, rec: CsvRecord, column: str) -> int:
     """A non-negative integer token/batch count ("16" and "16.0" both accepted)."""
     raw = rec.values[column]
     try:
@@ -71,7 +67,7 @@ def parse_count(path: str | Path, rec: CsvRecord, column: str) -> int:
     return int(v)
 
 
-def parse_time(path: str | Path, rec: CsvRecord, column: str) -> float:
+def parse_time(path: str, rec: CsvRecord, column: str) -> float:
     """A strictly positive, finite duration (in the column's own unit)."""
     raw = rec.values[column]
     try:
@@ -111,7 +107,7 @@ class PrefillSamples:
         )
 
 
-def select_config(path: str | Path, found: Sequence[str], config: str | None) -> str:
+def select_config(path: str, found: Sequence[str], config: str | None) -> str:
     """Validate the ``--config`` choice against the configs present in a grid file."""
     known = sorted(set(found))
     if config is None:
@@ -123,27 +119,63 @@ def select_config(path: str | Path, found: Sequence[str], config: str | None) ->
     return config
 
 
-def list_configs(path: str | Path) -> list[str]:
-    """Configs present in a calibration grid file, in first-seen order."""
-    _, records = read_csv_records(path, (("config",),))
+def list_configs(text: str, source: str) -> list[str]:
+    """Configs present in a calibration grid, in first-seen order."""
+    _, records = parse_csv_records(text.splitlines(keepends=True), source, (("config",),))
     return list(dict.fromkeys(r.values["config"] for r in records))
 
 
-def load_prefill_samples(path: str | Path, config: str | None = None) -> PrefillSamples:
-    fmt, recs = read_csv_records(path, (GRID_PREFILL_COLUMNS, OBSERVED_PREFILL_COLUMNS))
+@dataclass(frozen=True, eq=False)  # numpy arrays inside: identity equality
+class TimingColumns:
+    """Two count columns and a time column of either format, in seconds."""
+
+    first: NDArray[np.int64]
+    second: NDArray[np.int64]
+    seconds: NDArray[np.float64]
+    config: str | None
+    includes_overhead: bool
+
+
+def parse_timing_csv(
+    text: str,
+    source: str,
+    config: str | None,
+    grid: tuple[Sequence[str], tuple[str, str, str]],
+    observed: tuple[str, str, str],
+) -> TimingColumns:
+    """The one parser behind prefill and decode samples. ``grid`` = (its header, the two count
+    columns and the milliseconds column it reads); ``observed`` = the header (counts, seconds).
+    A grid file is filtered to ``config`` (required when it holds several)."""
+    fmt, recs = parse_csv_records(text.splitlines(keepends=True), source, (grid[0], observed))
     if fmt == 0:
-        chosen = select_config(path, [r.values["config"] for r in recs], config)
+        chosen = select_config(source, [r.values["config"] for r in recs], config)
         recs = [r for r in recs if r.values["config"] == chosen]
-        cols, scale, overhead = ("n_new", "n_cached", "gpu_ms"), 1e-3, False
+        cols, scale, overhead = grid[1], 1e-3, False
     else:
         if config is not None:
             raise ValueError(
-                f"{path}: config filter {config!r} given but file has no config column"
+                f"{source}: config filter {config!r} given but file has no config column"
             )
-        chosen, cols, scale, overhead = None, OBSERVED_PREFILL_COLUMNS, 1.0, True
+        chosen, cols, scale, overhead = None, observed, 1.0, True
     if not recs:
-        raise ValueError(f"{path}: no samples")
-    new = np.array([parse_count(path, r, cols[0]) for r in recs], dtype=np.int64)
-    cached = np.array([parse_count(path, r, cols[1]) for r in recs], dtype=np.int64)
-    secs = np.array([parse_time(path, r, cols[2]) * scale for r in recs], dtype=np.float64)
-    return PrefillSamples(new, cached, secs, str(path), chosen, overhead)
+        raise ValueError(f"{source}: no samples")
+    return TimingColumns(
+        np.array([parse_count(source, r, cols[0]) for r in recs], dtype=np.int64),
+        np.array([parse_count(source, r, cols[1]) for r in recs], dtype=np.int64),
+        np.array([parse_time(source, r, cols[2]) * scale for r in recs], dtype=np.float64),
+        chosen,
+        overhead,
+    )
+
+
+def parse_prefill_samples(text: str, source: str, config: str | None = None) -> PrefillSamples:
+    cols = parse_timing_csv(
+        text,
+        source,
+        config,
+        (GRID_PREFILL_COLUMNS, ("n_new", "n_cached", "gpu_ms")),
+        OBSERVED_PREFILL_COLUMNS,
+    )
+    return PrefillSamples(
+        cols.first, cols.second, cols.seconds, source, cols.config, cols.includes_overhead
+    )

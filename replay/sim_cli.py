@@ -19,7 +19,7 @@ from config.settings import (
 from replay.fleet import FleetSpec
 from replay.progress import ProgressBar
 from replay.results import RunResult
-from replay.traces import TraceError, TraceRequest, load_trace, select
+from replay.traces import TraceRequest, load_trace, select
 
 _SYNTHETIC = {"synthetic:chat"}
 # Policies with a shipped overload control (admission mode "peer").
@@ -283,9 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from config.loader import ConfigError
+    from config.errors import KvgateError
     from replay.report import format_table, summarize, write_json
-    from routing.policies.registry import PolicyError, build_policy
+    from routing.policies.registry import build_policy
 
     try:
         default_adm = AdmissionMode(args.admission) if args.admission else None
@@ -298,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
         trace = load_workload(args)
         if not trace:
             raise ValueError("the selection left no requests")
-    except (TraceError, ConfigError, PolicyError, ValueError, KeyError, OSError) as exc:
+    except (KvgateError, ValueError, KeyError, OSError) as exc:  # KeyError: an unknown name
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     results = [

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+from backends.predictor_files import predictor_factory
 from config.settings import Role, Settings
 from predictors.profiles import get_profile
 from replay.engine.engine import DecodeSeq, Engine, PrefillJob, StepReport
@@ -68,7 +69,8 @@ class Simulator:
         self.fleet = fleet
         self.trace = list(trace)
         self.options = options or SimOptions()
-        self.conductor = Conductor(self.settings)
+        # predictors.prefill_model_file, if set, is read here (the edge), not by the core.
+        self.conductor = Conductor(self.settings, predictor_factory(self.settings.predictors))
         self.engines: dict[str, Engine] = build_engines(self.settings, fleet)
         profile = get_profile(fleet.profile)
         self.kv_bytes_per_token = profile.kv_bytes_per_token
@@ -159,6 +161,11 @@ class Simulator:
         self.conductor.dispatched(decision, req, now)
         self._requests[rid], self._decisions[rid] = req, decision
         out.prefill_instance, out.decode_instance = decision.prefill, decision.decode
+        if (
+            decision.prefill == decision.decode
+            and self.engines[decision.decode].role is Role.DECODE
+        ):
+            self.result.extra["local_prefills"] = self.result.extra.get("local_prefills", 0) + 1
         out.predicted_ttft_s = decision.predicted_ttft_s
         out.predicted_tbt_s = decision.predicted_tbt_s
         out.predicted_output_tokens = decision.predicted_output_tokens
@@ -247,6 +254,8 @@ class Simulator:
                 self.result.kv_transfer_bytes += nbytes
                 end = self.network.transfer(engine.id, decode_id, nbytes, now)
                 self._push(end, _Kind.KV_ARRIVED, rid)
+            elif engine.role is Role.DECODE:  # conditional disagg: prefilled where it decodes
+                self._on_kv_arrived(rid, now)
         for seq in report.finished:
             self._complete(seq.request_id, seq.generated + 1, now)
 

@@ -39,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sim_args(p)
     p.add_argument("--speeds", default="0.5,1,1.5,2,2.5,3", help="comma list of speed factors")
     p.add_argument("--ttft-slos", default="5,10,30", help="comma list of TTFT SLOs (seconds)")
+    p.add_argument(
+        "--conditional-disagg",
+        choices=("off", "on", "both"),
+        default="off",
+        help="routing.conditional_disagg for every run; 'both' runs each entry with it off "
+        "and on (label suffix +cd)",
+    )
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,7 +73,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     profile = get_profile(fleet.profile)
     points: list[dict[str, Any]] = []
     bar = ProgressBar("kvgate sim sweep", enabled=not args.quiet)
-    total = len(speeds) * len(slos) * len(specs)
+    cd_values = {"off": (False,), "on": (True,), "both": (False, True)}[args.conditional_disagg]
+    total = len(speeds) * len(slos) * len(specs) * len(cd_values)
     done = 0
     for speed in speeds:
         trace = select(base, speed=speed)
@@ -85,11 +93,16 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             )
             runs = []
             for spec in specs:
-                summary = summarize(run_one(s, fleet, trace, spec, True, args.ttft_after_transfer))
-                summary["fraction_of_bound"] = fraction_of_bound(summary["goodput_rps"], bound)
-                runs.append(summary)
-                done += 1
-                bar(done, total)
+                for cd in cd_values:
+                    s_cd = replace(s, routing=replace(s.routing, conditional_disagg=cd))
+                    result = run_one(s_cd, fleet, trace, spec, True, args.ttft_after_transfer)
+                    summary = summarize(result)
+                    if cd:
+                        summary["label"] += "+cd"
+                    summary["fraction_of_bound"] = fraction_of_bound(summary["goodput_rps"], bound)
+                    runs.append(summary)
+                    done += 1
+                    bar(done, total)
             points.append(
                 {"speed": speed, "ttft_slo_s": slo, "bound": bound.as_dict(), "runs": runs}
             )

@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from config.errors import KvgateError
+
 BLOCK_SIZE = 512  # tokens per hash id in the Mooncake traces
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -35,7 +37,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...]  # one id per 512-token prompt block; () when unknown (CSV)
 
 
-class TraceError(ValueError):
+class TraceError(KvgateError, ValueError):
     """A trace that cannot be used. ``line`` is 1-based; None when the file as a whole is bad."""
 
     def __init__(self, path: str | Path, line: int | None, message: str) -> None:

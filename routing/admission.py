@@ -4,7 +4,9 @@
 - ``early``: reject when the predicted TTFT or the chosen decode instance's *current* TBT
   (with the request added) breaks the SLO (Mooncake §4.2.6.1).
 - ``predictive``: like early, but the decode TBT is forecast for the moment the request
-  reaches decode (Mooncake §4.2.6.3), which damps the prefill/decode load oscillation.
+  reaches decode (Mooncake §4.2.6.3), which damps the prefill/decode load oscillation; the
+  forecast counts the requests already on their way there but is never taken below today's
+  TBT by predicted departures (routing/decode_placement.py ``predictive_tbt`` says why).
 - ``peer``: no SLO check; the overload control the placement policy's own system ships with
   (SMG limiter, GIE saturation detector, Dynamo busy thresholds:
   routing/policies/peer_overload.py), for comparing peers as they defend themselves.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from config.errors import KvgateError
 from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
 from routing.types import Rejection, RejectReason, RequestInfo
 
@@ -41,7 +44,7 @@ def _clamp(v: float, lo: float, hi: float) -> float:
     return lo if v < lo else hi if v > hi else v
 
 
-class UnknownPriority(ValueError):
+class UnknownPriority(KvgateError, ValueError):
     pass
 
 

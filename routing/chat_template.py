@@ -23,11 +23,13 @@ import jinja2.nodes
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from config.errors import KvgateError
+
 ContentFormat = Literal["string", "openai"]
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KvgateError, ValueError):
     """The template does not compile, or rejected a conversation while rendering."""
 
 

@@ -175,6 +175,22 @@ class InstanceState:
         self.busy_until_s = t if self.prefill_queue else now
         return work
 
+    def remove_prefills(self, request_ids: list[str], now: float) -> None:
+        """Take entries out without re-anchoring the rest on ``now`` (``finish_prefill`` does,
+        as the engine just freed up): a started prefill keeps its predicted finish, the queued
+        ones close up behind it. For other replicas' entries replaced by a newer snapshot."""
+        for rid in request_ids:
+            work = self.prefill_queue.pop(rid, None)
+            if work is not None:
+                self.queued_tokens -= work.prompt_tokens
+        t = now
+        for w in self.prefill_queue.values():
+            if w.est_start_s > now:
+                w.est_start_s = max(t, w.ready_s)
+                w.est_finish_s = w.est_start_s + w.duration_s
+            t = max(t, w.est_finish_s)
+        self.busy_until_s = t
+
     # ---- decode set ----
     def tbt_now(self, extra_batch: int = 0, extra_tokens: int = 0) -> float:
         return self.predictors.decode.step_time(

@@ -25,6 +25,7 @@ from routing.admission import (
 )
 from routing.cache_feedback import CacheFeedback, assess
 from routing.cluster import DecodeWork, InstanceState
+from routing.conditional_disagg import local_prefill
 from routing.decode_placement import place_decode
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
 from routing.hotspot import HotspotPlanner
@@ -171,7 +172,7 @@ class Conductor:
     def remove_instance(self, instance_id: str, now: float) -> list[str]:
         """Forget an instance; returns the ids of requests that were on it (now failed)."""
         inst = self.instances.pop(instance_id)
-        affected = inst.clear_work()
+        affected = [r for r in inst.clear_work() if r in self.requests]  # not peer replicas'
         for rid in affected:
             self._drop(rid, now)
         if inst.does_prefill:
@@ -265,6 +266,9 @@ class Conductor:
         )
         if decode is None:
             return self._reject_capacity(req, slo, option)
+        if routing.conditional_disagg and decode is not prefill:
+            option = local_prefill(req, decode, option, slo, now) or option
+            prefill = option.instance
         if self.admission.mode is AdmissionMode.PEER:
             rejection = self.admission.check_peer(self.policy, ctx, self.settings.routing.seed)
         else:
@@ -453,9 +457,6 @@ class Conductor:
         """The gateway knows the engine dropped these blocks without an event saying so (a
         llama.cpp slot it reused for another prompt); the instance stays feedback-corrected."""
         self.index.apply(instance_id, BlockRemoved(block_hashes), now)
-
-    def store_event(self, event: KVEvent) -> None:
-        self.index.apply_store(event)
 
     def replication_dropped(self, command_id: str) -> None:
         """A command that will not be executed (dry run): release its in-flight slot."""

@@ -1,17 +1,11 @@
 """Which instance holds which KV block on which tier, and every instance's cached prefix at once.
 
-Layout. Each instance owns a *slot* ``s >= 1`` (freed slots are reused); per block the table
-keeps one int whose bit ``2s`` says "instance s holds it on GPU" and bit ``2s + 1`` "on GPU or
-host" (local). Bit 1 (slot 0's local bit) is the shared store. ``match`` walks the prompt's
-blocks once with an ``alive`` mask (``alive &= holders``); when a bit drops out at block ``i``
-that holder's prefix is ``i`` blocks. Cost is O(prefix + instances), not O(blocks x instances),
-and the walk stops as soon as nobody is alive. Interleaving GPU / local / store bits in one int
-(rather than a GPU mask, a host mask and a store flag) costs one dict lookup per block and one
-AND per change of holders, and never needs re-laying out as instances come and go.
-
-Per instance an ``OrderedDict`` per tier is the LRU (last = most recent), mirroring the
-engine's eviction so that the index stays bounded by the configured capacities. Blocks nobody
-holds any more are deleted from the table.
+The block table maps a block hash to one int of holder bits: two per instance (GPU; GPU or
+host) and one for the shared store (layout and the per-instance LRUs: routing/kv_holdings.py).
+``match`` walks the prompt's blocks once with an ``alive`` mask (``alive &= holders``); when a
+bit drops out at block ``i`` that holder's prefix is ``i`` blocks (decoded in
+routing/kv_match.py). Cost is O(prefix + instances), not O(blocks x instances), and the walk
+stops as soon as nobody is alive.
 
 Recency within one call: the engine frees a request's blocks tail first (vLLM's reverse-order
 free), so a prompt's *first* blocks are its most recently used. Calls that add or touch a
@@ -30,10 +24,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
+from routing.kv_holdings import K_BOTH, K_GPU, K_LOCAL, K_STORE, STORE_BIT, Holdings, unset
+from routing.kv_match import decode_drops
 from routing.types import (
     EMPTY_MATCH,
     AllBlocksCleared,
@@ -43,32 +37,6 @@ from routing.types import (
     PrefixMatch,
     Tier,
 )
-
-_STORE_BIT = 0b10  # slot 0's local bit; slot 0's GPU bit (0b01) is never set
-# What a set of bits in a drop point means (see KVIndex._owner).
-_K_GPU, _K_LOCAL, _K_STORE = 1, 2, 4
-_K_BOTH = _K_GPU | _K_LOCAL
-
-
-@dataclass(slots=True, eq=False)
-class _Instance:
-    id: str
-    order: int  # registration sequence: reported orders follow it
-    slot: int
-    gpu_cap: int
-    host_cap: int
-    gpu: OrderedDict[int, None] = field(default_factory=OrderedDict)  # LRU first
-    host: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    pred: dict[int, float] = field(default_factory=dict)  # unconfirmed block -> expiry
-    # The stated GPU capacity; ``gpu_cap`` is what the engine's answers show it really keeps.
-    max_gpu_cap: int = field(init=False)
-    gpu_bit: int = field(init=False)
-    local_bit: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.max_gpu_cap = self.gpu_cap
-        self.gpu_bit = 1 << (2 * self.slot)
-        self.local_bit = 1 << (2 * self.slot + 1)
 
 
 class KVIndex:
@@ -99,16 +67,16 @@ class KVIndex:
             raise ValueError(f"predicted_ttl_s must be > 0 or None, got {predicted_ttl_s!r}")
         self.predicted_ttl_s = predicted_ttl_s
         self.unknown_instance_events = 0
-        self._instances: dict[str, _Instance] = {}  # registration order
+        self._instances: dict[str, Holdings] = {}  # registration order
         self._slot_masks: list[int] = [0b11]  # slot -> its two bits (slot 0: the store)
         self._free_slots: list[int] = []  # heap: reuse the lowest slot to keep masks short
         # Bits -> (instance id, _K_* kind) for one slot's GPU bit, local bit, or both, and the
         # store bit: decodes a drop point with one lookup.
-        self._owner: dict[int, tuple[str, int]] = {_STORE_BIT: ("", _K_STORE)}
+        self._owner: dict[int, tuple[str, int]] = {STORE_BIT: ("", K_STORE)}
         self._table: dict[int, int] = {}  # block hash -> holder bits (see module docstring)
         self._store: set[int] = set()
         # (expiry, seq, instance, blocks): one entry per routed prompt, not per block.
-        self._heap: list[tuple[float, int, _Instance, tuple[int, ...]]] = []
+        self._heap: list[tuple[float, int, Holdings, tuple[int, ...]]] = []
         self._seq = itertools.count()
 
     # --- instances -------------------------------------------------------------------------
@@ -123,18 +91,18 @@ class KVIndex:
         masks = self._slot_masks
         slot = heapq.heappop(self._free_slots) if self._free_slots else len(masks)
         order = next(self._seq)
-        inst = _Instance(instance_id, order, slot, gpu_capacity_blocks, host_capacity_blocks)
+        inst = Holdings(instance_id, order, slot, gpu_capacity_blocks, host_capacity_blocks)
         self._instances[instance_id] = inst
         if slot == len(masks):
             masks.append(0b11 << 2 * slot)
         owner = self._owner
-        owner[inst.gpu_bit] = (instance_id, _K_GPU)
-        owner[inst.local_bit] = (instance_id, _K_LOCAL)
-        owner[inst.gpu_bit | inst.local_bit] = (instance_id, _K_BOTH)
+        owner[inst.gpu_bit] = (instance_id, K_GPU)
+        owner[inst.local_bit] = (instance_id, K_LOCAL)
+        owner[inst.gpu_bit | inst.local_bit] = (instance_id, K_BOTH)
 
     def remove_instance(self, instance_id: str) -> None:
         inst = self._instances.pop(instance_id)  # KeyError for an unknown id
-        self._clear(inst)
+        inst.clear(self._table)
         for bits in (inst.gpu_bit, inst.local_bit, inst.gpu_bit | inst.local_bit):
             del self._owner[bits]
         heapq.heappush(self._free_slots, inst.slot)
@@ -182,51 +150,8 @@ class KVIndex:
         return self._result(drops) if drops else EMPTY_MATCH
 
     def _result(self, drops: list[tuple[int, int]]) -> PrefixMatch:
-        """Decode the drop points into per-instance prefix lengths.
-
-        A point where a single instance drops out (its GPU bit, local bit or both) decodes with
-        one dict lookup; coincident drops are split. Dicts fill in increasing prefix length
-        (each id once), so the best holders are the tail of ``local_blocks``.
-        """
-        owner = self._owner.get
-        gpu_blocks: dict[str, int] = {}
-        local_blocks: dict[str, int] = {}
-        store = 0
-        for bits, length in drops:
-            entry = owner(bits)
-            if entry is not None and entry[1] == _K_BOTH:  # the common case, kept inline
-                gpu_blocks[entry[0]] = local_blocks[entry[0]] = length
-                continue
-            for iid, kind in (entry,) if entry is not None else self._split(bits):
-                if kind == _K_STORE:
-                    store = length
-                    continue
-                if kind & _K_GPU:
-                    gpu_blocks[iid] = length
-                if kind & _K_LOCAL:
-                    local_blocks[iid] = length
-        if not local_blocks:
-            return PrefixMatch(gpu_blocks, local_blocks, store, 0, ())
-        best = next(reversed(local_blocks.values()))
-        holders = []
-        for iid in reversed(local_blocks):
-            if local_blocks[iid] != best:
-                break
-            holders.append(iid)
-        if len(holders) > 1:  # several dropped at one point: registration order
-            instances = self._instances
-            holders.sort(key=lambda iid: instances[iid].order)
-        return PrefixMatch(gpu_blocks, local_blocks, store, best, tuple(holders))
-
-    def _split(self, bits: int) -> list[tuple[str, int]]:
-        """(instance id, kind) of every slot with a bit in ``bits``, peeled from the top."""
-        owner, masks = self._owner, self._slot_masks
-        parts: list[tuple[str, int]] = []
-        while bits:
-            part = bits & masks[(bits.bit_length() - 1) >> 1]
-            bits ^= part
-            parts.append(owner[part])
-        return parts
+        instances = self._instances
+        return decode_drops(drops, self._owner, self._slot_masks, lambda i: instances[i].order)
 
     def holds(self, instance_id: str, block_hash: int, tier: Tier | None = None) -> bool:
         """Whether the instance holds the block on ``tier`` (None: GPU or host; STORE: global)."""
@@ -271,14 +196,14 @@ class KVIndex:
         if inst is None or not block_hashes:
             return ()
         ttl = self.predicted_ttl_s
-        new = self._add_gpu(inst, block_hashes, predicted=True)
+        new = inst.add_gpu(self._table, block_hashes, predicted=True)
         if new and ttl is not None:
             expiry = now + ttl
             pred = inst.pred
             for h in new:
                 pred[h] = expiry
             heapq.heappush(self._heap, (expiry, next(self._seq), inst, tuple(new)))
-        self._evict(inst)
+        inst.evict(self._table)
         return tuple(new)
 
     def forget_route(self, instance_id: str, added: Sequence[int]) -> int:
@@ -295,9 +220,9 @@ class KVIndex:
             if unconfirmed_only and h not in pred:
                 continue
             if h in gpu:
-                self._drop(inst, h, Tier.GPU)
+                inst.drop(self._table, h, Tier.GPU)
             if h in host:
-                self._drop(inst, h, Tier.HOST)
+                inst.drop(self._table, h, Tier.HOST)
             pred.pop(h, None)
             dropped += 1
         return dropped
@@ -339,15 +264,15 @@ class KVIndex:
         if missed_blocks <= 0:
             if extra_blocks > 0:
                 inst.gpu_cap = min(inst.gpu_cap + extra_blocks, inst.max_gpu_cap)
-            self._evict(inst)
+            inst.evict(self._table)
             return 0
-        self._evict(inst)
+        inst.evict(self._table)
         # The prompt's blocks are the most recent now: the oldest ones before them go.
         mine = set(block_hashes)
         older = itertools.takewhile(lambda h: h not in mine, inst.gpu)
         victims = list(itertools.islice(older, missed_blocks))
         for h in victims:
-            self._drop(inst, h, Tier.GPU)
+            inst.drop(self._table, h, Tier.GPU)
         inst.gpu_cap = min(max(len(inst.gpu), len(mine)), inst.max_gpu_cap)
         return len(victims)
 
@@ -357,7 +282,7 @@ class KVIndex:
             raise ValueError("capacities must be >= 0")
         inst = self._instances[instance_id]  # KeyError for an unknown id
         inst.gpu_cap = inst.max_gpu_cap = gpu_capacity_blocks
-        self._evict(inst)
+        inst.evict(self._table)
 
     def touch(self, instance_id: str, block_hashes: Sequence[int]) -> None:
         """Mark held blocks most recently used (prefix first, see module docstring)."""
@@ -380,7 +305,7 @@ class KVIndex:
         if self._heap and self._heap[0][0] <= now:
             self.expire(now)
         if isinstance(event, AllBlocksCleared):
-            self._clear(inst)
+            inst.clear(self._table)
             return
         if event.tier is Tier.STORE:  # an instance writing to / dropping from the shared store
             self.apply_store(event)
@@ -388,17 +313,17 @@ class KVIndex:
         pred = inst.pred
         if isinstance(event, BlockStored):
             if event.tier is Tier.GPU:
-                self._add_gpu(inst, event.block_hashes, predicted=False)
+                inst.add_gpu(self._table, event.block_hashes, predicted=False)
             else:
-                self._add_host(inst, reversed(event.block_hashes))
+                inst.add_host(self._table, reversed(event.block_hashes))
             for h in event.block_hashes:
                 pred.pop(h, None)  # confirmed: no expiry any more
-            self._evict(inst)
+            inst.evict(self._table)
         elif isinstance(event, BlockRemoved):
             tier = inst.gpu if event.tier is Tier.GPU else inst.host
             for h in event.block_hashes:
                 if h in tier:
-                    self._drop(inst, h, event.tier)
+                    inst.drop(self._table, h, event.tier)
 
     def apply_store(self, event: KVEvent) -> None:
         """An event of the shared store tier (global, unbounded: the store reports removals)."""
@@ -407,15 +332,15 @@ class KVIndex:
             for h in event.block_hashes:
                 if h not in store:
                     store.add(h)
-                    table[h] = table.get(h, 0) | _STORE_BIT
+                    table[h] = table.get(h, 0) | STORE_BIT
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
                 if h in store:
                     store.discard(h)
-                    self._unset(h, _STORE_BIT)
+                    unset(table, h, STORE_BIT)
         elif isinstance(event, AllBlocksCleared):
             for h in list(store):
-                self._unset(h, _STORE_BIT)
+                unset(table, h, STORE_BIT)
             store.clear()
 
     def expire(self, now: float) -> int:
@@ -431,114 +356,8 @@ class KVIndex:
                 # Another expiry means the block left and was predicted again later.
                 if pred.get(h) == expiry:
                     if h in inst.gpu:
-                        self._drop(inst, h, Tier.GPU)
+                        inst.drop(self._table, h, Tier.GPU)
                     if h in inst.host:
-                        self._drop(inst, h, Tier.HOST)
+                        inst.drop(self._table, h, Tier.HOST)
                     removed += 1
         return removed
-
-    # --- internals -------------------------------------------------------------------------
-
-    def _add_gpu(self, inst: _Instance, blocks: Sequence[int], predicted: bool) -> list[int]:
-        """Add or touch blocks on GPU, last-to-first; with ``predicted``, returns those the
-        instance did not hold (on any tier)."""
-        table, gpu, host = self._table, inst.gpu, inst.host
-        both = inst.gpu_bit | inst.local_bit
-        new: list[int] = []
-        for h in reversed(blocks):
-            if h in gpu:
-                gpu.move_to_end(h)
-                continue
-            gpu[h] = None
-            table[h] = table.get(h, 0) | both
-            if h in host:  # loaded back from host: keeps its host copy (and its status)
-                host.move_to_end(h)
-            elif predicted:
-                new.append(h)
-        return new
-
-    def _add_host(self, inst: _Instance, blocks: Iterable[int]) -> None:
-        table, host = self._table, inst.host
-        for h in blocks:
-            if h in host:
-                host.move_to_end(h)
-            else:
-                host[h] = None
-                table[h] = table.get(h, 0) | inst.local_bit
-
-    def _evict(self, inst: _Instance) -> None:
-        """LRU-evict beyond capacity; GPU victims are demoted to host when there is one.
-
-        The hot path of every route and event, so the table updates are inlined with the
-        masks computed once.
-        """
-        gpu, host, table, pred_pop = inst.gpu, inst.host, self._table, inst.pred.pop
-        keep_local = ~inst.gpu_bit
-        drop_all = ~(inst.gpu_bit | inst.local_bit)
-        excess = len(gpu) - inst.gpu_cap
-        if excess > 0:
-            popitem = gpu.popitem
-            for _ in range(excess):
-                h = popitem(False)[0]
-                if inst.host_cap or h in host:  # demoted, or already has a host copy
-                    table[h] &= keep_local
-                    if h in host:
-                        host.move_to_end(h)
-                    else:
-                        host[h] = None  # the local bit is already set
-                    continue
-                pred_pop(h, None)
-                left = table[h] & drop_all
-                if left:
-                    table[h] = left
-                else:
-                    del table[h]
-        excess = len(host) - inst.host_cap
-        if excess > 0:
-            popitem = host.popitem
-            for _ in range(excess):
-                h = popitem(False)[0]
-                if h in gpu:
-                    continue
-                pred_pop(h, None)
-                left = table[h] & drop_all
-                if left:
-                    table[h] = left
-                else:
-                    del table[h]
-
-    def _drop(self, inst: _Instance, h: int, tier: Tier) -> None:
-        """Remove a block the instance holds on ``tier`` (GPU or HOST)."""
-        if tier is Tier.GPU:
-            del inst.gpu[h]
-            self._table[h] &= ~inst.gpu_bit
-            if h not in inst.host:
-                self._gone(inst, h)
-        else:
-            del inst.host[h]
-            if h not in inst.gpu:
-                self._gone(inst, h)
-
-    def _gone(self, inst: _Instance, h: int) -> None:
-        """The instance holds the block on no tier any more."""
-        inst.pred.pop(h, None)
-        self._unset(h, inst.local_bit | inst.gpu_bit)
-
-    def _unset(self, h: int, bits: int) -> None:
-        table = self._table
-        left = table[h] & ~bits
-        if left:
-            table[h] = left
-        else:
-            del table[h]  # nobody holds it: keep the table bounded
-
-    def _clear(self, inst: _Instance) -> None:
-        bits = inst.gpu_bit | inst.local_bit
-        for h in inst.gpu:
-            self._unset(h, bits)
-        for h in inst.host:
-            if h not in inst.gpu:
-                self._unset(h, bits)
-        inst.gpu.clear()
-        inst.host.clear()
-        inst.pred.clear()

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from config.errors import KvgateError
 
-class PromptError(ValueError):
+
+class PromptError(KvgateError, ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param

@@ -2,9 +2,10 @@
 
 The router never decodes, so a tokenizer only has to be deterministic and prefix-stable
 (equal text prefixes -> equal token prefixes) for prefix matching to line up with the engine's
-cache. ``FileTokenizer`` (the engine's own ``tokenizer.json``) gives exact block boundaries;
-``ApproxTokenizer`` needs no files and is exact about *which* prompts share a prefix, only
-approximate about *where* the engine's block boundaries fall.
+cache. ``backends.tokenizer_file.FileTokenizer`` (the engine's own ``tokenizer.json``, read at
+the edge) gives exact block boundaries; ``ApproxTokenizer`` needs no files and is exact about
+*which* prompts share a prefix, only approximate about *where* the engine's block boundaries
+fall.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import zlib
 from array import array
 from collections.abc import Sequence
 from itertools import pairwise
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 _TOKEN_MASK = 0x7FFF_FFFF  # ids in [0, 2^31): fit int32 for every packer and engine API
 _NOT_ASCII = 0x80  # set in every hashed id; never set in a short ASCII chunk's own id
@@ -116,56 +116,6 @@ class ApproxTokenizer:
 
     def __repr__(self) -> str:
         return f"ApproxTokenizer(chars_per_token={self._chars_per_token})"
-
-
-class FileTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json``.
-
-    Encodes without special tokens: the chat template / BOS handling belongs to the engine, and
-    adding them here would shift every block boundary relative to what the engine caches.
-    """
-
-    __slots__ = ("_path", "_tok")
-
-    def __init__(self, path: str | Path) -> None:
-        try:
-            # Lazy: the package is an optional extra (kvgate[tokenizer]).
-            from tokenizers import Tokenizer as HFTokenizer
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "routing.tokenizer_file needs the 'tokenizers' package: "
-                "pip install 'kvgate[tokenizer]' (or unset tokenizer_file to use the "
-                "approximate tokenizer)"
-            ) from exc
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {p}")
-        try:
-            self._tok: Any = HFTokenizer.from_file(str(p))
-        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON / models
-            raise ValueError(f"cannot load tokenizer file {p}: {exc}") from exc
-        self._path = p
-
-    @property
-    def path(self) -> Path:
-        return self._path
-
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-        return ids
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.encode(text))
-
-    def __repr__(self) -> str:
-        return f"FileTokenizer({str(self._path)!r})"
-
-
-def load_tokenizer(path: str | None, chars_per_token: float = 4.0) -> Tokenizer:
-    """The tokenizer ``RoutingSettings`` asks for: the file if set, else the approximation."""
-    if path:
-        return FileTokenizer(path)
-    return ApproxTokenizer(chars_per_token)
 
 
 def count_tokens(text: str, tokenizer: Tokenizer) -> int:

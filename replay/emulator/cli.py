@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 
-from config.settings import Protocol, Role
+from config.settings import PDProtocol, Role
 from predictors.profiles import PROFILES
 from replay.emulator.config import EmulatorConfig
 from replay.emulator.server import start_emulator
@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.BOTH.value)
     parser.add_argument(
         "--protocol",
-        choices=[Protocol.VLLM.value, Protocol.SGLANG.value],
-        default=Protocol.VLLM.value,
+        choices=[PDProtocol.VLLM.value, PDProtocol.SGLANG.value],
+        default=PDProtocol.VLLM.value,
         help="P/D protocol and metric names to speak (default vllm)",
     )
     parser.add_argument(
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     return EmulatorConfig(
         role=Role(args.role),
-        protocol=Protocol(args.protocol),
+        protocol=PDProtocol(args.protocol),
         profile=args.profile,
         host=args.host,
         port=args.port,

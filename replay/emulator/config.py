@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from config.settings import Protocol, Role
+from config.settings import PDProtocol, Role
 from predictors.profiles import EngineProfile, get_profile
 
 KVEventsFormat = Literal["array", "map"]
@@ -16,7 +16,7 @@ KVEventsFormat = Literal["array", "map"]
 @dataclass(frozen=True, slots=True)
 class EmulatorConfig:
     role: Role = Role.BOTH
-    protocol: Protocol = Protocol.VLLM  # vllm or sglang (the P/D protocol and metric names)
+    protocol: PDProtocol = PDProtocol.VLLM  # vllm or sglang (the P/D protocol and metric names)
     profile: str = "llama3-8b-h100-tp1"
     host: str = "127.0.0.1"  # never all interfaces by default: the emulator has no auth
     port: int = 0  # 0 = an ephemeral port (RunningEmulator.port reports it)
@@ -51,10 +51,10 @@ class EmulatorConfig:
     def __post_init__(self) -> None:
         # argparse and TOML hand strings over; accept them for the enums.
         object.__setattr__(self, "role", Role(self.role))
-        object.__setattr__(self, "protocol", Protocol(self.protocol))
+        object.__setattr__(self, "protocol", PDProtocol(self.protocol))
 
     def validate(self) -> None:
-        if self.protocol not in (Protocol.VLLM, Protocol.SGLANG):
+        if self.protocol not in (PDProtocol.VLLM, PDProtocol.SGLANG):
             raise ValueError(f"protocol must be vllm or sglang, got {self.protocol.value}")
         get_profile(self.profile)  # KeyError naming the known profiles
         if not self.time_scale > 0:

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from config.settings import Protocol, Role
+from config.settings import PDProtocol, Role
 from replay.emulator.openai_api import (
     ParsedRequest,
     RequestError,
@@ -50,12 +50,12 @@ class Leg(Enum):
 
 def choose_leg(state: EmulatorState, req: ParsedRequest) -> Leg:
     cfg = state.config
-    if cfg.protocol is Protocol.VLLM and req.kv_transfer_params:
+    if cfg.protocol is PDProtocol.VLLM and req.kv_transfer_params:
         if req.kv_transfer_params.get("do_remote_decode"):
             return Leg.PREFILL
         if req.kv_transfer_params.get("do_remote_prefill"):
             return Leg.DECODE
-    if cfg.protocol is Protocol.SGLANG and req.bootstrap is not None:
+    if cfg.protocol is PDProtocol.SGLANG and req.bootstrap is not None:
         if cfg.role is Role.PREFILL:
             return Leg.PREFILL
         if cfg.role is Role.DECODE:
@@ -104,7 +104,7 @@ class _Run:
             )
             return
         assert st.session is not None
-        if req.bootstrap is not None and st.config.protocol is Protocol.SGLANG:
+        if req.bootstrap is not None and st.config.protocol is PDProtocol.SGLANG:
             entry, source = await wait_room(
                 st.session, req.bootstrap, st.config.bootstrap_timeout_s
             )
@@ -153,7 +153,7 @@ class _Run:
         if self.leg is not Leg.PREFILL:
             return
         entry = PinnedKV(self.ext_id, self.prompt_tokens, cached)
-        if st.config.protocol is Protocol.SGLANG and self.req.bootstrap is not None:
+        if st.config.protocol is PDProtocol.SGLANG and self.req.bootstrap is not None:
             st.rooms.register(self.req.bootstrap.room, entry)
             return
         entry.block_ids = st.block_ids(self.prompt_tokens)
@@ -209,7 +209,7 @@ async def _whole(run: _Run, shaper: ResponseShaper, headers: dict[str, str]) -> 
     async for _ in run.tokens():
         pass
     body = shaper.full(run.generated, "length", run.usage())
-    if run.state.config.protocol is Protocol.VLLM:
+    if run.state.config.protocol is PDProtocol.VLLM:
         body["kv_transfer_params"] = run.kv_params
     return web.json_response(body, headers=headers)
 

@@ -41,8 +41,6 @@ class Policy(Protocol):
     name: ClassVar[str]
     # The admission the policy's real system ships with (used by `--compare` bare names).
     native_admission: ClassVar[AdmissionMode]
-    # Whether the policy pulls remote prefixes (and so issues reactive replication).
-    uses_transfers: ClassVar[bool]
 
     def select_prefill(self, ctx: PlacementContext) -> PrefillOption: ...
 
@@ -56,7 +54,6 @@ class PolicyBase:
 
     name: ClassVar[str] = ""
     native_admission: ClassVar[AdmissionMode] = AdmissionMode.NONE
-    uses_transfers: ClassVar[bool] = False
 
     def __init__(self, **params: Any) -> None:
         if params:

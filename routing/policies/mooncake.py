@@ -66,7 +66,6 @@ class KVCacheCentricPolicy(PolicyBase):
 
     name: ClassVar[str] = "kvcache_centric"
     native_admission: ClassVar[AdmissionMode] = AdmissionMode.PREDICTIVE
-    uses_transfers: ClassVar[bool] = True
 
     def select_prefill(self, ctx: PlacementContext) -> PrefillOption:
         return _argmin_ttft(ctx, ctx.estimator.best)

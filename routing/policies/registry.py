@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from config.errors import KvgateError
 from routing.policies.base import Policy
 from routing.policies.ecoserve import RollingActivationPolicy
 from routing.policies.mooncake import CacheAwarePolicy, KVCacheCentricPolicy
@@ -34,12 +35,12 @@ POLICIES: Mapping[str, type] = {
 }
 
 
-class PolicyError(ValueError):
+class PolicyError(KvgateError, ValueError):
     """A policy name or parameter is wrong; ``key`` is the config key path."""
 
     def __init__(self, key: str, value: Any, message: str) -> None:
         super().__init__(f"{key} = {value!r}: {message}")
-        self.key, self.value = key, value
+        self.key, self.value, self.detail = key, value, message
 
 
 def policy_class(name: str) -> type:
@@ -54,7 +55,8 @@ def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
     """Instantiate a policy, validating its parameters against its constructor signature."""
     cls = policy_class(name)
     sig = inspect.signature(cls.__init__)
-    accepted = {k: p for k, p in sig.parameters.items() if k != "self"}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {k: p for k, p in sig.parameters.items() if k != "self" and p.kind in named}
     for key, value in (params or {}).items():
         param = accepted.get(key)
         if param is None:

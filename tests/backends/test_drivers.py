@@ -21,8 +21,7 @@ from backends.drivers import (
     VLLMDriver,
     driver_for,
 )
-from config.settings import KVConnector
-from config.settings import Protocol as WireProtocol
+from config.settings import KVConnector, PDProtocol
 
 KV_PARAMS = {
     "do_remote_prefill": True,
@@ -346,9 +345,9 @@ def test_nixl_cancelled_during_a_prefill_without_params_sends_no_decode_leg() ->
 
 
 def test_driver_for_picks_by_protocol_and_topology() -> None:
-    assert isinstance(driver_for(WireProtocol.VLLM, False), ColocatedDriver)
-    assert isinstance(driver_for(WireProtocol.VLLM, True), VLLMDriver)
-    assert isinstance(driver_for(WireProtocol.SGLANG, True), SGLangDriver)
+    assert isinstance(driver_for(PDProtocol.VLLM, False), ColocatedDriver)
+    assert isinstance(driver_for(PDProtocol.VLLM, True), VLLMDriver)
+    assert isinstance(driver_for(PDProtocol.SGLANG, True), SGLangDriver)
 
 
 def test_nixl_decode_unreachable_is_a_transport_error_that_names_the_held_blocks(

@@ -14,11 +14,12 @@ from backends.model_files import (
     make_prompt_encoder,
     special_tokens,
 )
+from backends.tokenizer_file import FileTokenizer
 from config.errors import ConfigError
 from config.loader import settings_from_dict
 from config.settings import RoutingSettings
 from routing.prompt_encoder import CHAT_PATH, ApproxPromptEncoder, EnginePromptEncoder
-from routing.tokenizer import FileTokenizer, unpack_token_ids
+from routing.tokenizer import unpack_token_ids
 from tests.tiny_model import CHATML, load_tokenizer, write_model_dir
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

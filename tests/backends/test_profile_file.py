@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from backends.predictor_files import predictor_factory
 from backends.profile_file import (
     ProfileFileError,
     load_measured_profiles,
     load_profile_file,
-    measured_predictors,
     write_profile_file,
 )
 from config.settings import PredictorSettings
@@ -106,7 +106,7 @@ def test_profile_files_are_chosen_by_name_per_instance_or_model(tmp_path: Path) 
         profile_files=(str(named_file(tmp_path / "b.json", "llama-cpu", 1e-3)),),
     )
     measured = load_measured_profiles(settings)
-    factory = measured_predictors(settings, measured)
+    factory = predictor_factory(settings, measured)
     assert factory is not None
     assert factory(None).profile.name == "vllm-cpu"  # the default for unnamed instances
     assert factory("llama-cpu").profile.name == "llama-cpu"

@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from config.loader import settings_from_dict
-from config.settings import Protocol, Role
+from config.settings import PDProtocol, Role
 from gateway.app import build_app
 from replay.emulator.config import EmulatorConfig
 from replay.emulator.server import RunningEmulator, start_emulator
@@ -31,7 +31,9 @@ def engines() -> Iterator[list[RunningEmulator]]:
     emus = [
         run(
             start_emulator(
-                EmulatorConfig(role=Role.BOTH, protocol=Protocol.VLLM, time_scale=0.02, model=name)
+                EmulatorConfig(
+                    role=Role.BOTH, protocol=PDProtocol.VLLM, time_scale=0.02, model=name
+                )
             )
         )
         for name in names

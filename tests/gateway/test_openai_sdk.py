@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from config.settings import Protocol
+from config.settings import PDProtocol
 from gateway.stack import StackSpec
 from tests.gateway.live import live_stack
 
 
-@pytest.fixture(scope="module", params=[Protocol.VLLM, Protocol.SGLANG], ids=["vllm", "sglang"])
+@pytest.fixture(scope="module", params=[PDProtocol.VLLM, PDProtocol.SGLANG], ids=["vllm", "sglang"])
 def stack(request):
     with live_stack(StackSpec(prefill=1, decode=1, protocol=request.param, time_scale=0.02)) as s:
         yield s

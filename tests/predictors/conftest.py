@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from backends.predictor_files import load_prefill_samples
 from predictors.prefill_learned import LearnedPrefill, TrainReport, train_prefill_model
-from predictors.samples import PrefillSamples, load_prefill_samples
+from predictors.samples import PrefillSamples
 from tests.predictors.testdata import (
     DECODE_GRID,
     FIT_RESULTS,

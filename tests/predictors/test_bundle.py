@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.predictor_files import load_compiled, predictor_factory, save_prefill_model
 from config.settings import PredictorSettings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.grid import GridPrefill
@@ -51,7 +52,7 @@ def test_profile_override_and_settings() -> None:
 def gpu_model_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LearnedPrefill]:
     model, _ = train_prefill_model(synthetic_samples("Llama-3-8B/H100/TP1"))
     path = tmp_path_factory.mktemp("m") / "prefill.json"
-    model.save(path)
+    save_prefill_model(model, path)
     return path, model
 
 
@@ -60,7 +61,9 @@ def test_learned_model_file_is_loaded_compiled_with_overhead(
 ) -> None:
     path, model = gpu_model_file
     s = PredictorSettings(prefill_model_file=str(path), overhead_ms=1.0)
-    preds = build_instance_predictors(s)
+    factory = predictor_factory(s)
+    assert factory is not None
+    preds = factory(None)
     assert isinstance(preds.prefill, GridPrefill)
     # GPU-only training data: the per-step overhead is added at load time.
     assert preds.prefill.predict(3000, 500) == pytest.approx(
@@ -71,22 +74,34 @@ def test_learned_model_file_is_loaded_compiled_with_overhead(
 def test_learned_model_for_other_profile_is_refused(
     gpu_model_file: tuple[Path, LearnedPrefill],
 ) -> None:
+    saved = load_compiled(gpu_model_file[0])
     s = PredictorSettings(prefill_model_file=str(gpu_model_file[0]))
     with pytest.raises(ValueError, match="trained for profile 'llama3-8b-h100-tp1'"):
-        build_instance_predictors(s, "llama2-70b-a100-tp8")
+        build_instance_predictors(s, "llama2-70b-a100-tp8", prefill_model=saved)
 
 
 def test_observed_model_keeps_its_overhead_and_fits_any_profile(tmp_path: Path) -> None:
     model, report = train_prefill_model(synthetic_samples(config=None))
     assert isinstance(report, TrainReport) and model.meta.includes_overhead
     path = tmp_path / "observed.json"
-    model.save(path)
-    preds = build_instance_predictors(
-        PredictorSettings(prefill_model_file=str(path)), "llama3-70b-h100-tp8"
-    )
+    save_prefill_model(model, path)
+    factory = predictor_factory(PredictorSettings(prefill_model_file=str(path)))
+    assert factory is not None
+    preds = factory("llama3-70b-h100-tp8")
     assert preds.prefill.predict(3000, 500) == model.compiled.predict(3000, 500)
 
 
-def test_missing_model_file_raises(tmp_path: Path) -> None:
+def test_missing_model_file_raises_at_the_edge(tmp_path: Path) -> None:
     with pytest.raises(OSError):
-        build_instance_predictors(PredictorSettings(prefill_model_file=str(tmp_path / "x.json")))
+        predictor_factory(PredictorSettings(prefill_model_file=str(tmp_path / "x.json")))
+
+
+def test_core_reads_no_model_file() -> None:
+    """The file is the edge's to read: the core refuses a setting it was not handed data for."""
+    s = PredictorSettings(prefill_model_file="/nonexistent/model.json")
+    with pytest.raises(ValueError, match="read at the edge"):
+        build_instance_predictors(s)
+
+
+def test_nothing_to_load_leaves_the_conductor_its_default() -> None:
+    assert predictor_factory(PredictorSettings()) is None

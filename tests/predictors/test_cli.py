@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from predictors.cli import add_arguments, main, run_eval, run_train
-from predictors.prefill_learned import LearnedPrefill
+from backends.predictor_files import load_learned_prefill
+from backends.predictors_cli import add_arguments, main, run_eval, run_train
 from tests.predictors.testdata import write_grid_csv
 
 REQUIRED_KEYS = {
@@ -44,7 +44,7 @@ def test_train_then_eval_saved_model(
     cfg = "Llama-3-8B/H100/TP1"
     assert main(["train", "--samples", str(grid_csv), "--config", cfg, "--out", str(out)]) == 0
     assert "mape_learned=" in capsys.readouterr().out
-    assert LearnedPrefill.load(out).meta.config == cfg
+    assert load_learned_prefill(out).meta.config == cfg
     rc = main(["eval", "--samples", str(grid_csv), "--config", cfg, "--model", str(out), "--json"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)

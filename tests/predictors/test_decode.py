@@ -5,7 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from predictors.decode import DecodeSamples, DecodeStepModel, load_decode_samples
+from backends.predictor_files import load_decode_samples
+from predictors.decode import DecodeSamples, DecodeStepModel
 from predictors.profiles import PROFILES, get_profile
 
 L3_8B = DecodeStepModel.from_profile(get_profile("llama3-8b-h100-tp1"), overhead_ms=0.0)

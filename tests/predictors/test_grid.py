@@ -8,12 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backends.predictor_files import load_compiled, read_model_file
 from predictors.grid import (
     GridPrefill,
     default_c_knots,
     default_n_knots,
-    load_compiled,
-    read_model_file,
 )
 from predictors.prefill import PrefillTimeModel
 
@@ -112,7 +111,9 @@ def test_monotone_table_gives_monotone_predictions(
 ) -> None:
     assert g.is_monotone_in_new_tokens()
     lo, hi = sorted((n1, n2))
-    assert g.predict(lo, c) <= g.predict(hi, c) * (1 + 1e-12)
+    # Bilinear interpolation over equal knot values rounds by a few 1e-12 (found by
+    # hypothesis: 0.001 vs 0.0009999999999977); monotone up to that.
+    assert g.predict(lo, c) <= g.predict(hi, c) * (1 + 1e-9)
 
 
 def test_read_model_file_rejects_foreign_files(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backends.predictor_files import grid_configs, load_prefill_samples
 from predictors.prefill import AnalyticPrefill, PrefillTimeModel
 from predictors.profiles import PROFILES, get_profile, profile_name_for_config
-from predictors.samples import list_configs, load_prefill_samples
 
 L3_8B_H100 = get_profile("llama3-8b-h100-tp1")
 GPU_ONLY = AnalyticPrefill.from_profile(L3_8B_H100, overhead_ms=0.0)
@@ -85,7 +85,7 @@ def test_cached_prefix_reduces_time(total: int, frac: float, name: str) -> None:
 
 
 def test_all_profiles_match_composed_grid_within_readme_mape(prefill_grid: Path) -> None:
-    for cfg in list_configs(prefill_grid):
+    for cfg in grid_configs(prefill_grid):
         name = profile_name_for_config(cfg)
         assert name is not None, cfg
         model = AnalyticPrefill.from_profile(PROFILES[name], overhead_ms=0.0)

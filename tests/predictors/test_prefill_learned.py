@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predictors.grid import GridPrefill, load_compiled
+from backends.predictor_files import load_compiled, load_learned_prefill, save_prefill_model
+from predictors.grid import GridPrefill
 from predictors.prefill import PrefillTimeModel
 from predictors.prefill_learned import (
     FEATURES,
@@ -40,7 +41,7 @@ def test_held_out_mape_at_most_5_percent(trained: Trained, config: str) -> None:
 @pytest.mark.parametrize("config", TARGET_CONFIGS)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_held_out_mape_other_seeds(prefill_grid: Path, config: str, seed: int) -> None:
-    from predictors.samples import load_prefill_samples
+    from backends.predictor_files import load_prefill_samples
 
     _, report = train_prefill_model(load_prefill_samples(prefill_grid, config), seed=seed)
     assert report.mape_learned_pct is not None and report.mape_learned_pct <= 5.0
@@ -102,8 +103,8 @@ def test_compiled_behaviour(trained: Trained) -> None:
 def test_save_load_round_trip(trained: Trained, tmp_path: Path) -> None:
     samples, model, _ = trained["Llama-2-70B/A100/TP8"]
     path = tmp_path / "model.json"
-    model.save(path)
-    loaded = LearnedPrefill.load(path)
+    save_prefill_model(model, path)
+    loaded = load_learned_prefill(path)
     assert loaded.meta == model.meta
     assert loaded.compiled == model.compiled
     n, c = samples.new_tokens, samples.cached_tokens
@@ -118,9 +119,9 @@ def test_save_load_round_trip(trained: Trained, tmp_path: Path) -> None:
     assert meta["rows"] == 142 and meta["config"] == "Llama-2-70B/A100/TP8"
     assert meta["profile"] == "llama2-70b-a100-tp8"
     assert meta["holdout_mape_pct"] <= 5.0 and meta["created_by"].startswith("kvgate")
-    grid, meta2 = load_compiled(path)  # runtime path: no booster
-    assert isinstance(grid, GridPrefill) and grid == model.compiled
-    assert meta2["includes_overhead"] is False
+    saved = load_compiled(path)  # runtime path: no booster
+    assert isinstance(saved.grid, GridPrefill) and saved.grid == model.compiled
+    assert saved.meta["includes_overhead"] is False
 
 
 def test_synthetic_training_without_calibration_files(

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from predictors.samples import list_configs, load_prefill_samples
+from backends.predictor_files import grid_configs, load_prefill_samples
 
 
 def _write(tmp_path: Path, text: str, name: str = "s.csv") -> Path:
@@ -97,13 +97,13 @@ def test_bad_header_and_empty_file(tmp_path: Path) -> None:
 
 def test_list_configs_and_subset(tmp_path: Path) -> None:
     p = _write(tmp_path, GRID)
-    assert list_configs(p) == ["A/H100/TP1", "B/A100/TP8"]
+    assert grid_configs(p) == ["A/H100/TP1", "B/A100/TP8"]
     s = load_prefill_samples(p, "A/H100/TP1").subset(np.array([1]))
     assert s.new_tokens.tolist() == [32] and s.config == "A/H100/TP1"
 
 
 def test_real_grid_loads(prefill_grid: Path) -> None:
-    assert len(list_configs(prefill_grid)) == 16
+    assert len(grid_configs(prefill_grid)) == 16
     s = load_prefill_samples(prefill_grid, "Llama-3-8B/H100/TP1")
     assert len(s) == 142
     assert s.seconds[0] == pytest.approx(6.8922e-3)  # first row: 16 new, 0 cached, 6.8922 ms

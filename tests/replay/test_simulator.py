@@ -137,3 +137,25 @@ def test_cache_aware_placement_hits_more_than_random() -> None:
         s = summarize(Simulator(settings(policy), fleet, _chat(600)).run())
         hit[policy] = s["cache_hit_ratio"]
     assert hit["cache_aware"] > hit["random"]
+
+
+def test_conditional_disagg_prefills_short_prompts_on_the_decode_instance() -> None:
+    # One prefill instance buried under 20 long prompts; short prompts arriving behind them are
+    # prefilled on the decode instance (no KV transfer) when the switch is on.
+    long = [tr(i, 0.0, tuple(range(1000 * i, 1000 * i + 16)), 2) for i in range(20)]
+    short = [tr(20 + i, 0.01 * (i + 1), (9_000_000 + i,), 20, tokens=64) for i in range(5)]
+    trace = long + short
+    fleet = FleetSpec(prefill=1, decode=1, profile=PROFILE)
+    base = settings()
+    on = replace(base, routing=replace(base.routing, conditional_disagg=True))
+    off_run = Simulator(base, fleet, trace).run()
+    on_run = Simulator(on, fleet, trace).run()
+    assert "local_prefills" not in off_run.extra
+    assert on_run.extra["local_prefills"] == 5
+    by_id = {r.request_id: r for r in on_run.requests}
+    for i in range(20, 25):
+        r, r_off = by_id[f"r{i}"], off_run.requests[i]
+        assert r.outcome is Outcome.COMPLETED and r.generated == 20
+        assert r.prefill_instance == r.decode_instance == "d0"
+        assert r.ttft_s < r_off.ttft_s / 10  # no wait behind the long prompts
+    assert all(r.outcome is Outcome.COMPLETED for r in on_run.requests)

@@ -56,3 +56,21 @@ def test_sweep_writes_points_with_bound_and_plots(trace: Path, tmp_path: Path, c
 def test_bad_grid_exits_2_naming_the_option(trace: Path, capsys, args, needle) -> None:
     assert main(["sim", "sweep", str(trace), "--quiet", *args]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_sweep_runs_each_entry_with_conditional_disagg_off_and_on(trace: Path, tmp_path) -> None:
+    out = tmp_path / "cd.json"
+    rc = main(
+        [
+            "sim", "sweep", str(trace),
+            "--prefill", "1", "--decode", "1", "--profile", "llama3-8b-h100-tp1",
+            "--speeds", "8", "--ttft-slos", "5", "--compare", "kvcache_centric+early",
+            "--conditional-disagg", "both", "--json", str(out), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    (point,) = json.loads(out.read_text())["points"]
+    off, on = point["runs"]
+    assert (off["label"], on["label"]) == ("kvcache_centric+early", "kvcache_centric+early+cd")
+    assert "local_prefills" not in off
+    assert on["local_prefills"] > 0  # 8x load on one prefill instance: short prompts go local

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from config.settings import Protocol, Role
+from config.settings import PDProtocol, Role
 from replay.emulator.cli import add_arguments, config_from_args, main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -33,7 +33,7 @@ def test_arguments_map_to_the_config() -> None:
         "--decode-tbt-limit-ms 50 --model m --bootstrap-port 8998"
     )
     cfg = config_from_args(parse(*argv))
-    assert cfg.role is Role.DECODE and cfg.protocol is Protocol.SGLANG
+    assert cfg.role is Role.DECODE and cfg.protocol is PDProtocol.SGLANG
     assert cfg.kv_events_port is None  # the CLI's 0 means off
     assert cfg.kv_events_format == "map" and cfg.decode_tbt_limit_ms == 50
     assert cfg.served_model == "m" and cfg.bootstrap_port == 8998 and cfg.host == "127.0.0.1"

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from config.settings import Protocol, Role
+from config.settings import PDProtocol, Role
 from predictors.profiles import get_profile
 from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
 from replay.engine.timing import StepTiming
@@ -34,7 +34,7 @@ NIXL_REQUEST = {
 Body = Callable[[RunningEmulator, RunningEmulator, aiohttp.ClientSession], Awaitable[None]]
 
 
-def run_pair(body: Body, protocol: Protocol, prefill: Any = None, decode: Any = None) -> None:
+def run_pair(body: Body, protocol: PDProtocol, prefill: Any = None, decode: Any = None) -> None:
     async def main() -> None:
         common = {"profile": PROFILE, "time_scale": SCALE, "protocol": protocol}
         common["link_gbps"] = LINK_GBPS
@@ -115,7 +115,7 @@ def test_vllm_prefill_then_decode_pulls_the_pinned_kv() -> None:
             assert r.status == 502
             assert "no KV pinned" in (await r.json())["error"]["message"]
 
-    run_pair(body, Protocol.VLLM)
+    run_pair(body, PDProtocol.VLLM)
 
 
 # Long enough for the decode leg to reach the pinned KV on a busy 2-core box (0.1 s was not:
@@ -145,7 +145,7 @@ def test_vllm_decode_refusal_pin_timeout_and_plain_requests() -> None:
 
     run_pair(
         body,
-        Protocol.VLLM,
+        PDProtocol.VLLM,
         prefill={"pin_timeout_s": PIN_TIMEOUT_S},
         decode={"decode_tbt_limit_ms": 1},
     )
@@ -199,5 +199,5 @@ def test_sglang_bootstrap_legs_run_concurrently() -> None:
             assert r.status == 504
 
     run_pair(
-        body, Protocol.SGLANG, prefill={"bootstrap_port": 0}, decode={"bootstrap_timeout_s": 0.2}
+        body, PDProtocol.SGLANG, prefill={"bootstrap_port": 0}, decode={"bootstrap_timeout_s": 0.2}
     )

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from config.settings import Protocol
+from config.settings import PDProtocol
 from predictors.profiles import get_profile
 from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
 from replay.engine.timing import StepTiming
@@ -216,7 +216,7 @@ def test_models_health_and_metrics() -> None:
         assert m[("sglang:cache_hit_rate", (("model_name", "served"),))] == 992 / 2000
         assert ("sglang:num_running_reqs", (("model_name", "served"),)) in m
 
-    run(body, model="served", protocol=Protocol.SGLANG)
+    run(body, model="served", protocol=PDProtocol.SGLANG)
 
 
 def test_client_disconnect_drops_the_request() -> None:

@@ -68,7 +68,7 @@ def test_kvcache_centric_uses_store_tier_with_its_load_time() -> None:
     from routing.types import BlockStored
 
     c = make_conductor(policy="kvcache_centric")
-    c.store_event(BlockStored(prompt(1, 200)))
+    c.index.apply_store(BlockStored(prompt(1, 200)))  # the shared store holds the prefix
     d = place(c, "r", prompt(1, 256))
     assert d.pull_source == "store" and d.reason == "load_from_store"
     assert d.predicted_load_s > 0 and d.cached_tokens == 200 * 16

@@ -2,7 +2,8 @@
 
 The gateway CLI owns the top-level parser and calls ``add_arguments(subparsers)``; each handler
 is stored as ``func`` in the parsed namespace and returns an exit code. ``python -m
-predictors.cli ...`` runs the same commands standalone. Expected failures (missing file, bad
+backends.predictors_cli ...`` runs the same commands standalone. It lives at the edge, not in
+``predictors/``: it reads and writes files and prints. Expected failures (missing file, bad
 row, unknown config/profile, bad model file) print one line to stderr and return 2.
 """
 
@@ -17,6 +18,12 @@ from typing import Any
 import lightgbm as lgb
 import numpy as np
 
+from backends.predictor_files import (
+    grid_configs,
+    load_learned_prefill,
+    load_prefill_samples,
+    save_prefill_model,
+)
 from predictors.prefill import AnalyticPrefill
 from predictors.prefill_learned import (
     LearnedPrefill,
@@ -25,7 +32,7 @@ from predictors.prefill_learned import (
     train_prefill_model,
 )
 from predictors.profiles import get_profile, profile_name_for_config
-from predictors.samples import PrefillSamples, list_configs, load_prefill_samples
+from predictors.samples import PrefillSamples
 
 EXIT_USAGE = 2
 _EXPECTED = (OSError, ValueError, KeyError, lgb.basic.LightGBMError)
@@ -73,7 +80,7 @@ def run_eval(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     samples = load_prefill_samples(args.samples, args.config)
     model, report = train_prefill_model(samples, seed=args.seed, holdout=args.holdout)
-    model.save(args.out)
+    save_prefill_model(model, args.out)
     r = report
     print(
         f"config={samples.config or '-'} rows={len(samples)} holdout_rows={r.meta.holdout_rows}"
@@ -163,10 +170,10 @@ def _eval(args: argparse.Namespace) -> int:
             raise ValueError(
                 "--all-configs trains one model per config: omit --model/--config/--profile"
             )
-        configs = list_configs(args.samples)
+        configs = grid_configs(args.samples)
     else:
         configs = [args.config]
-    model = LearnedPrefill.load(args.model) if args.model else None
+    model = load_learned_prefill(args.model) if args.model else None
     results = [
         evaluate(
             load_prefill_samples(args.samples, cfg),
