@@ -17,6 +17,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from config.settings import AdmissionMode, PDProtocol, ReplicationSink, Settings
+from gateway.runtime import Gateway
 from gateway.stack import LiveStack, StackSpec
 from replay.loadgen import LoadOptions, run_load
 from replay.progress import ProgressBar
@@ -122,12 +123,12 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replication_summary(gw) -> dict[str, int]:
+def _replication_summary(gw: Gateway) -> dict[str, int]:
     """Commands issued/confirmed, and how many copied prefixes the cache view now shows on
     more than one prefill instance (the hot prefix spreading)."""
-    confirmed = [e for e in gw.replications if e["state"] == "confirmed"]
+    confirmed = [r for r in gw.replicator.log if r.state == "confirmed"]
     prefill = [iid for iid, inst in gw.conductor.instances.items() if inst.does_prefill]
-    keys = {e["prefix_key"] for e in confirmed}
+    keys = {r.prefix_key for r in confirmed}
     spread = sum(1 for k in keys if sum(gw.conductor.index.holds(iid, k) for iid in prefill) >= 2)
     return {
         "replication_issued": gw.conductor.planner.issued,
