@@ -193,6 +193,11 @@ def completions_served(engine: EngineProcess) -> float:
     return sum(float(m[1]) for m in re.finditer(pattern, metrics(engine), re.M))
 
 
+def requests_running(engine: EngineProcess) -> float:
+    m = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)", metrics(engine), re.M)
+    return float(m[1]) if m else 0.0
+
+
 def kv_usage(engine: EngineProcess) -> float:
     m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)", metrics(engine), re.M)
     assert m, f"no vllm:kv_cache_usage_perc on {engine.url}"

@@ -29,6 +29,7 @@ from tests.real.pd_harness import (
     pd_gateway_config,
     post_json,
     prompt_tokens_by_source,
+    requests_running,
     salted,
     start_nixl_pair,
     wait_for,
@@ -106,8 +107,11 @@ def test_prefill_blocks_stay_pinned_until_a_decode_reads_them(pd_stack: PDStack)
     wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, FREED_WITHIN_S, "blocks freed")
 
 
-def _leave_after(url: str, body: dict[str, Any], seconds: float) -> None:
-    """Sends a request and closes the connection after ``seconds`` (a client that left)."""
+def _leave_once_started(url: str, body: dict[str, Any], started: Any) -> None:
+    """Sends a request and closes the connection (a client that left) as soon as
+    ``started()`` says the engines have it. Not after a fixed delay: on a busy box the gateway
+    may not even have read the body by then, and a request whose client left before that is
+    rightly never sent anywhere."""
     host, port = url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     head = (
@@ -116,7 +120,7 @@ def _leave_after(url: str, body: dict[str, Any], seconds: float) -> None:
     ).encode()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(head + payload)
-        time.sleep(seconds)
+        wait_for(started, 30, "the prefill engine took the request")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -138,8 +142,16 @@ def test_client_leaving_during_the_prefill_frees_the_prefill_blocks(
     pulled = prompt_tokens_by_source(pd_stack.decode)["external_kv_transfer"]
     served = completions_served(pd_stack.decode)
     body = {"model": "tiny", "prompt": salted(LONG_TEXT), "max_tokens": 200, "stream": stream}
-    _leave_after(pd_stack.gateway, body, 0.15)
-    # The prefill ran (the client left while it did) ...
+    # The client leaves once the prefill engine has the request (running, or already done) ...
+    _leave_once_started(
+        pd_stack.gateway,
+        body,
+        lambda: (
+            requests_running(pd_stack.prefill) > 0
+            or prompt_tokens_by_source(pd_stack.prefill)["local_compute"] > before
+        ),
+    )
+    # ... and the prefill ran.
     wait_for(
         lambda: prompt_tokens_by_source(pd_stack.prefill)["local_compute"] > before,
         30,
