@@ -204,11 +204,11 @@ def kv_usage(engine: EngineProcess) -> float:
     return float(m[1])
 
 
-def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 60) -> dict[str, Any]:
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=60) as resp:
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
 
@@ -223,9 +223,11 @@ def warm_nixl_handshake(gateway_url: str, tries: int = 4) -> int:
     body = {"model": "tiny", "prompt": salted("warm up the pair"), "max_tokens": 2}
     for attempt in range(1, tries + 1):
         try:
-            post_json(gateway_url + "/v1/completions", body)
+            # A NIXL read on this box has been seen to stall for the prefill's whole 30 s
+            # lease (decode log: "Avg xfer time (ms)=29755"): give one attempt room for that.
+            post_json(gateway_url + "/v1/completions", body, timeout_s=120)
             return attempt
-        except urllib.error.HTTPError:
+        except (urllib.error.HTTPError, TimeoutError):
             time.sleep(2.0)
     raise AssertionError(f"no P/D request succeeded in {tries} tries through {gateway_url}")
 
