@@ -103,6 +103,9 @@ def pd_gateway_config(port: int, prefill: str, decode: str, kv_connector: str) -
 host = "127.0.0.1"
 port = {port}
 health_interval_s = 10
+# A NIXL read between these CPU engines can stall for the prefill's 30 s lease: a whole
+# (non-streamed) answer then sends nothing for longer than the default 30 s floor.
+silence_min_s = 90
 [admission]
 mode = "none"
 [routing]
