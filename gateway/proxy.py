@@ -35,7 +35,7 @@ from gateway.answers import (
     usable_request_id,
 )
 from gateway.learning import DecisionRecord
-from gateway.openai import BadRequest, ParsedRequest, error_body, parse_request
+from gateway.openai import BadRequest, ParsedRequest, error_body
 from gateway.relay import (
     ClientWatch,
     Receive,
@@ -88,17 +88,7 @@ class CompletionHandler:
             return
         try:
             raw = await read_body(receive, gw.settings.server.max_body_bytes)
-            parsed = parse_request(
-                scope["path"],
-                raw,
-                headers,
-                request_id,
-                gw.clock(),
-                settings=gw.settings,
-                encoder=gw.prompt_encoder,
-                hasher=gw.hasher,
-                models=gw.model_routes,
-            )
+            parsed = gw.parse(scope["path"], raw, headers, request_id)
         except ConnectionResetError:
             return
         except BadRequest as exc:

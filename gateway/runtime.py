@@ -19,7 +19,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -45,6 +45,7 @@ from gateway.drain import Drain
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, build_model_routes
+from gateway.openai import ParsedRequest, parse_request
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replicator import EngineView, Replicator
 from gateway.tracing import Tracing
@@ -211,6 +212,23 @@ class Gateway:
         if self.health is not None:
             srv = settings.server
             self.health.set_timing(srv.health_interval_s, srv.health_timeout_s)
+
+    def parse(
+        self, path: str, raw: bytes, headers: Mapping[str, str], request_id: str
+    ) -> ParsedRequest:
+        """A completion request as the core needs it, with this gateway's settings, encoder,
+        key space and models (serve and epp alike); raises BadRequest."""
+        return parse_request(
+            path,
+            raw,
+            headers,
+            request_id,
+            self.clock(),
+            settings=self.settings,
+            encoder=self.prompt_encoder,
+            hasher=self.hasher,
+            models=self.model_routes,
+        )
 
     def silence_timeout(self, d: Decision) -> float:
         """How long an engine that took this request may send nothing before it is aborted:

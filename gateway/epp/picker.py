@@ -32,7 +32,7 @@ from gateway.answers import (
     usable_request_id,
 )
 from gateway.learning import DecisionRecord
-from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body, parse_request
+from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body
 from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
 from gateway.runtime import Gateway
 from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
@@ -177,17 +177,7 @@ class Picker:
             retry = str(gw.drain.retry_after_s()).encode()
             return Immediate(503, shutting_down_body(), [(b"retry-after", retry), rid_header])
         try:
-            parsed = parse_request(
-                path,
-                raw,
-                headers,
-                rid,
-                gw.clock(),
-                settings=gw.settings,
-                encoder=gw.prompt_encoder,
-                hasher=gw.hasher,
-                models=gw.model_routes,
-            )
+            parsed = gw.parse(path, raw, headers, rid)
         except BadRequest as exc:
             gw.metrics.requests.labels("bad_request").inc()
             body = error_body(exc.message, "invalid_request_error", param=exc.param, code=exc.code)
