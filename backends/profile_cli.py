@@ -205,7 +205,7 @@ async def profile_engine(args: argparse.Namespace, plan: SweepPlan) -> dict[str,
     from backends.profile_file import write_profile_file
     from backends.profiler import EngineProfiler
     from predictors.calibration import fit_profile
-    from replay.progress import ProgressBar
+    from replay.report.progress import ProgressBar
 
     progress = ProgressBar("kvgate profile", enabled=not args.quiet)
     # A fresh connection per request: llama-server closes idle keep-alive connections, and a

@@ -1,10 +1,14 @@
 """Engine load from a Prometheus ``/metrics`` page: vLLM ``vllm:*``, SGLang ``sglang:*`` and
 llama.cpp ``llamacpp:*`` (llama-server ``--metrics``).
 
-The text is parsed by ``prometheus_client``'s own parser; this module only picks the few
-series a router needs (reference/peer-routers.md section 7.2; the llama.cpp and vLLM 0.32
-names were read off real servers, see tests/backends/data/) and folds the per-rank series
-into one number per instance:
+This module only needs a few series a router reads (reference/peer-routers.md section 7.2;
+the llama.cpp and vLLM 0.32 names were read off real servers, see tests/backends/data/). A
+cheap line scan keeps the samples of those series, and ``prometheus_client``'s own parser
+parses them: vLLM's page is ~600 lines, mostly histogram buckets, and parsing all of it took
+6.5 ms of the gateway's event loop per scrape (measured on this 2-core box), which showed up
+in the TTFT of the requests it delayed (docs/calibration.md section 4). A page with none of
+those series is parsed whole, so malformed text is still an error. The series are folded per
+instance:
 
 - counts (running, waiting, prefix-cache token counters, cache blocks) are *summed* over data
   parallel ranks, because every DP rank is a separate scheduler with its own batch and cache;
@@ -81,6 +85,34 @@ _LLAMA_RUNNING = ("llamacpp:requests_processing",)
 _LLAMA_WAITING = ("llamacpp:requests_deferred",)
 _LLAMA_CACHED = ("llamacpp:prompt_tokens_cached_total",)
 _LLAMA_COMPUTED = ("llamacpp:prompt_tokens_total",)
+
+
+# Every sample name the flavours read; lines of other series are not parsed at all.
+_WANTED: frozenset[str] = frozenset(
+    {
+        *_VLLM_RUNNING,
+        *_VLLM_WAITING,
+        _VLLM_WAITING_BY_REASON,
+        *_VLLM_USAGE,
+        *_VLLM_HITS,
+        *_VLLM_QUERIES,
+        *_VLLM_CACHED_PROMPT,
+        *_VLLM_PROMPT,
+        _VLLM_CONFIG,
+        *_SGLANG_RUNNING,
+        *_SGLANG_WAITING,
+        *_SGLANG_USAGE,
+        *_SGLANG_HIT_RATE,
+        _SGLANG_CACHED,
+        *_SGLANG_PROMPT,
+        *_SGLANG_MAX_TOKENS,
+        _SGLANG_CONFIG,
+        *_LLAMA_RUNNING,
+        *_LLAMA_WAITING,
+        *_LLAMA_CACHED,
+        *_LLAMA_COMPUTED,
+    }
+)
 
 
 class MetricsParseError(KvgateError, ValueError):
@@ -207,6 +239,23 @@ def _first_label(samples: list[_Sample], label: str) -> int | None:
     return None
 
 
+def _wanted_lines(text: str) -> tuple[str, Engine]:
+    """The sample lines of the series this module reads, and the engine whose metric prefix
+    comes first on the page (comments and every other series skipped unparsed)."""
+    keep: list[str] = []
+    engine: Engine = "unknown"
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        head = line.split("{", 1)[0].split(None, 1)
+        name = head[0] if head else ""
+        if engine == "unknown":
+            engine = detect_engine((name,))
+        if name in _WANTED:
+            keep.append(line)
+    return "\n".join(keep) + "\n", engine
+
+
 def _collect(text: str) -> dict[str, list[_Sample]]:
     by_name: dict[str, list[_Sample]] = {}
     try:
@@ -303,8 +352,13 @@ def parse_metrics(
     ``engine`` picks the flavour; ``"auto"`` detects it from the metric names. A page that
     holds none of the flavour's names yields an ``EngineLoad`` that is not ``understood``.
     """
-    by_name = _collect(text)
-    flavour = detect_engine(by_name) if engine == "auto" else engine
+    wanted, seen = _wanted_lines(text)
+    if wanted.strip():
+        by_name = _collect(wanted)
+    else:  # none of our series: parse it all, so that garbage is still an error
+        by_name = _collect(text)
+        seen = detect_engine(by_name)
+    flavour = seen if engine == "auto" else engine
     base = EngineLoad(instance_id=instance_id, scraped_at_s=now_s)
     parse = _FLAVOURS.get(flavour)
     return base if parse is None else parse(by_name, base)

@@ -84,6 +84,7 @@ def gateway_config(args: argparse.Namespace, variant: str, port: int) -> str:
     )
     return (
         f'[server]\nhost = "127.0.0.1"\nport = {port}\nhealth_interval_s = 5\n'
+        f"scrape_interval_s = {args.scrape_interval_s}\n"
         f'admin_token = "{ADMIN_TOKEN}"\n{refit}'
         f"[routing]\nblock_size = {args.block_size}\n"
         f'[admission]\nmode = "none"\n[replication]\nenabled = false\n'
@@ -248,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         "--block-size", type=int, default=16, help="routing.block_size (vLLM's: 32 here)"
     )
     p.add_argument("--budget-s", type=float, default=240.0, help="per variant")
+    p.add_argument(
+        "--scrape-interval-s",
+        type=float,
+        default=1.0,
+        help="server.scrape_interval_s: how often kvgate reads the engine's /metrics",
+    )
     p.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

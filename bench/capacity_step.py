@@ -8,7 +8,7 @@ t = phase). Every scrape interval the gateway's /metrics is read, as Prometheus 
 report says when the gauge moved after the step and what it settled at.
 
 Simulated: for each phase's requests on their own, the smallest prefill count (decode pool
-large) and the smallest decode count (prefill pool large) for which ``replay.simulator`` meets
+large) and the smallest decode count (prefill pool large) for which ``replay.sim.simulator`` meets
 the SLOs (SLO attainment >= ``--attainment``) — the instance counts the gauge is compared with.
 
     python -m bench.capacity_step --phase 60 --json /tmp/capacity/step.json
@@ -38,11 +38,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from config.settings import AdmissionMode, Settings
 from gateway.demo import bundled_trace
 from gateway.stack import LiveStack, StackSpec
-from replay.fleet import FleetSpec
-from replay.loadgen import LoadOptions, run_load
-from replay.report import summarize
-from replay.simulator import SimOptions, Simulator
-from replay.traces import TraceRequest, load_trace
+from replay.live.loadgen import LoadOptions, run_load
+from replay.report.report import summarize
+from replay.sim.fleet import FleetSpec
+from replay.sim.simulator import SimOptions, Simulator
+from replay.workload.traces import TraceRequest, load_trace
 from routing.capacity import DemandWindow
 
 GAUGES = ("kvgate_pool_instances_needed", "kvgate_pool_load_instances", "kvgate_pool_instances")

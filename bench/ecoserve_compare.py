@@ -40,9 +40,9 @@ from config.settings import (
     SLOSettings,
     frozen_mapping,
 )
-from replay.fleet import FleetSpec
-from replay.simulator import SimOptions, Simulator
-from replay.traces import TraceRequest, load_trace, select
+from replay.sim.fleet import FleetSpec
+from replay.sim.simulator import SimOptions, Simulator
+from replay.workload.traces import TraceRequest, load_trace, select
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Point:
 
 def load_requests(trace: str, limit: int | None, seed: int) -> list[TraceRequest]:
     if trace == "synthetic:chat":
-        from replay.synthetic import chat_spec, generate
+        from replay.workload.synthetic import chat_spec, generate
 
         return generate(chat_spec(requests=limit or 3000, seed=seed))
     return select(load_trace(trace), limit=limit)

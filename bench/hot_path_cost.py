@@ -115,8 +115,8 @@ def _settings(tmp: Path):
 
 async def _handler_run(n: int, reps: int, tmp: Path) -> list[float]:
     from gateway.app import build_app
+    from gateway.gc_tuning import tune_gc
     from gateway.proxy import CompletionHandler
-    from gateway.runtime import tune_gc
 
     gw = build_app(_settings(tmp)).gateway
     gw.driver = FakeDriver()  # type: ignore[assignment]

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from replay.report import summarize
-from replay.results import Outcome, RequestOutcome, RunResult
+from replay.report.report import summarize
+from replay.report.results import Outcome, RequestOutcome, RunResult
 
 WARMUP_FRACTION = 0.2  # soak: RSS growth is measured after this share of the run
 

@@ -1,7 +1,7 @@
 """Overload and soak benchmarks of the live gateway on an emulated fleet (issue 12, item 3).
 
 Engine emulators and one ``kvgate serve`` run as child processes on 127.0.0.1
-(``bench.emulated_fleet``); open-loop Poisson load (``replay.loadgen``'s request client) drives
+(``bench.emulated_fleet``); open-loop Poisson load (``replay.live.loadgen``'s request client) drives
 the gateway at rates relative to the fleet's capacity ``1x``: given (``--rate-1x``), or probed
 (the highest rate on a short geometric ladder where admission ``early`` serves >= 95 % of all
 requests within the SLOs).
@@ -51,10 +51,10 @@ from bench.overload_report import (
     rss_growth,
     series,
 )
-from replay.loadgen import LoadOptions, prompt_ids, send_one
-from replay.results import Outcome, RequestOutcome
-from replay.synthetic import SyntheticSpec, fixed, generate, lognormal
-from replay.traces import TraceRequest
+from replay.live.loadgen import LoadOptions, prompt_ids, send_one
+from replay.report.results import Outcome, RequestOutcome
+from replay.workload.synthetic import SyntheticSpec, fixed, generate, lognormal
+from replay.workload.traces import TraceRequest
 
 OVERLOAD_FACTOR = 3.0
 DRAIN_S = 30.0  # after the last arrival, how long answers may still take

@@ -30,10 +30,10 @@ from pathlib import Path
 import aiohttp
 
 from gateway.demo import bundled_trace
-from replay.loadgen import LoadOptions, prompt_ids, send_one
-from replay.report import summarize
-from replay.results import RequestOutcome, RunResult
-from replay.traces import TraceRequest, load_trace, select
+from replay.live.loadgen import LoadOptions, prompt_ids, send_one
+from replay.report.report import summarize
+from replay.report.results import RequestOutcome, RunResult
+from replay.workload.traces import TraceRequest, load_trace, select
 
 KEYS = ("goodput_rps", "ttft_mean_s", "ttft_p90_s", "rejected", "cache_hit_ratio")
 _GIVEN: set[int] = set()

@@ -1,7 +1,7 @@
 """Sim-vs-live agreement: the same trace slice replayed live and simulated.
 
 Live: engine emulators (`kvgate emulate`, one process each) and the gateway (`kvgate serve`),
-all on 127.0.0.1, driven open-loop by the load generator. Simulated: `replay.simulator` on the
+all on 127.0.0.1, driven open-loop by the load generator. Simulated: `replay.sim.simulator` on the
 same fleet, profile, policy, admission and SLOs, with TTFT measured when the KV reaches decode
 (as the emulators stream it). Prints both reports and the live/sim ratios; `--json` writes
 them. Every process started here is ended by PID.
@@ -28,12 +28,12 @@ import aiohttp
 
 from config.settings import AdmissionMode, AdmissionSettings, PredictorSettings, Settings
 from gateway.demo import bundled_trace
-from replay.fleet import FleetSpec
-from replay.loadgen import LoadOptions, run_load
-from replay.progress import ProgressBar
-from replay.report import format_table, summarize
-from replay.simulator import SimOptions, Simulator
-from replay.traces import load_trace, select
+from replay.live.loadgen import LoadOptions, run_load
+from replay.report.progress import ProgressBar
+from replay.report.report import format_table, summarize
+from replay.sim.fleet import FleetSpec
+from replay.sim.simulator import SimOptions, Simulator
+from replay.workload.traces import load_trace, select
 
 KEYS = (
     "ttft_mean_s",

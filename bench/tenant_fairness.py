@@ -40,9 +40,9 @@ from bench.emulated_fleet import EmulatedFleet, FleetSpec
 from bench.overload_report import Phase, PhaseRun, phase_summary
 from bench.overload_soak import DRAIN_S, MAX_PENDING, phase_trace
 from config.tenant_keys import hash_key
-from replay.loadgen import LoadOptions, prompt_ids, send_one
-from replay.results import Outcome, RequestOutcome
-from replay.traces import TraceRequest
+from replay.live.loadgen import LoadOptions, prompt_ids, send_one
+from replay.report.results import Outcome, RequestOutcome
+from replay.workload.traces import TraceRequest
 
 KEYS = {"a": "sk-bench-tenant-a", "b": "sk-bench-tenant-b"}
 A_HASH_OFFSET = 10**7  # a's prompts never share a prefix with b's

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from config.checks import assign_pool_models, check_settings, inherit_pool_role
+from config.checks import check_settings
 from config.coerce import INVALID, BuildContext, build_dataclass, to_plain
 from config.errors import MISSING, ConfigError, IssueCollector
+from config.fleet_checks import assign_pool_models, inherit_pool_role
 from config.overrides import Layering, apply_env, apply_overrides
 from config.settings import PoolSettings, Settings
 

@@ -316,7 +316,8 @@ class ServerSettings:
     # An engine that accepted a request and then sends no byte for
     # clamp(max(silence_predicted_factor x predicted TTFT, silence_slo_factor x TTFT SLO),
     # silence_min_s, silence_max_s) seconds is aborted: 504 (or an SSE error event once the
-    # stream has started), and its circuit breaker counts the failure.
+    # stream has started), and its circuit breaker counts the failure. A non-streamed answer
+    # adds the same multiples of max_tokens x TBT (predicted, SLO): it arrives all at once.
     silence_predicted_factor: float = 4.0
     silence_slo_factor: float = 3.0
     silence_min_s: float = 30.0

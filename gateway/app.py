@@ -73,7 +73,7 @@ class GatewayApp:
     async def models(self, request: Request) -> Response:
         """The configured models (names and aliases) or, with no ``models`` table, whatever
         the engines themselves serve."""
-        ids = await self.gateway.served_model_ids()
+        ids = await self.gateway.served_models.ids(self.gateway.session)
         data = [{"id": m, "object": "model", "owned_by": "kvgate"} for m in ids]
         return JSONResponse({"object": "list", "data": data})
 

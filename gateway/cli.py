@@ -41,19 +41,19 @@ def _bench_decision(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from replay.sim_cli import main
+    from replay.sim.sim_cli import main
 
     return main(args)
 
 
 def _sim_sweep(args: argparse.Namespace) -> int:
-    from replay.sweep import main
+    from replay.sim.sweep import main
 
     return main(args)
 
 
 def _sim_cache(args: argparse.Namespace) -> int:
-    from replay.cache_analysis import main
+    from replay.sim.cache_analysis import main
 
     return main(args)
 
@@ -89,7 +89,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from replay.loadgen import main
+    from replay.live.loadgen import main
 
     return main(args)
 
@@ -113,7 +113,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         (
             "replay",
             "open-loop live load from a trace against a gateway",
-            "replay.loadgen",
+            "replay.live.loadgen",
             _replay,
         ),
         ("serve", "run the gateway (OpenAI-compatible reverse proxy)", "gateway.serve", _serve),
@@ -169,7 +169,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "`kvgate sim sweep TRACE` a grid of loads and TTFT SLOs with the goodput upper bound.",
     )
     if wanted("sim"):
-        importlib.import_module("replay.sim_cli").add_arguments(sim)
+        importlib.import_module("replay.sim.sim_cli").add_arguments(sim)
     sim.set_defaults(func=_sim)
 
     preds = sub.add_parser("predictors", help="train and evaluate the latency predictors")
@@ -182,12 +182,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 # `kvgate sim NAME ...`: module (with add_arguments), description, handler
 _SIM_SIBLINGS = {
     "cache": (
-        "replay.cache_analysis",
+        "replay.sim.cache_analysis",
         "Prefix-cache hit ratio of a trace per capacity and eviction policy (Mooncake Table 1).",
         _sim_cache,
     ),
     "sweep": (
-        "replay.sweep",
+        "replay.sim.sweep",
         "Goodput, p90 TTFT and wasted prefills of each --compare entry over --speeds x "
         "--ttft-slos, next to the goodput upper bound (JSON + PNG).",
         _sim_sweep,

@@ -2,9 +2,9 @@
 
 Starts engine emulators (2 prefill + 2 decode by default) and a gateway, replays a slice of the
 bundled trace (the first 10 minutes of the Mooncake conversation trace, shipped in
-``replay/data``) through the gateway with a progress bar, prints the report, writes plots and
-JSON, and shuts everything down. Emulators run time-scaled (``--time-scale``), so model time
-passes faster than wall time; reported latencies are in model time.
+``replay/workload/data``) through the gateway with a progress bar, prints the report, writes
+plots and JSON, and shuts everything down. Emulators run time-scaled (``--time-scale``), so
+model time passes faster than wall time; reported latencies are in model time.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from pathlib import Path
 from config.settings import AdmissionMode, PDProtocol, ReplicationSink, Settings
 from gateway.runtime import Gateway
 from gateway.stack import LiveStack, StackSpec
-from replay.loadgen import LoadOptions, run_load
-from replay.progress import ProgressBar
-from replay.traces import load_trace, select
+from replay.live.loadgen import LoadOptions, run_load
+from replay.report.progress import ProgressBar
+from replay.workload.traces import load_trace, select
 
 BUNDLED = "conversation_10min.jsonl"
 
 
 def bundled_trace() -> Path:
-    return Path(str(files("replay") / "data" / BUNDLED))
+    return Path(str(files("replay.workload") / "data" / BUNDLED))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from replay.plots import write_plots
-    from replay.report import format_table, summarize, write_json
+    from replay.report.plots import write_plots
+    from replay.report.report import format_table, summarize, write_json
 
     trace = select(
         load_trace(args.trace or bundled_trace()), duration_s=args.duration, speed=args.speed

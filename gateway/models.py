@@ -9,8 +9,12 @@ one, a single unnamed route serves every request, as before.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+import aiohttp
+
+from backends.engine_models import fetch_served_models
 from backends.model_files import make_prompt_encoder
 from config.settings import ModelSettings, Settings
 from routing.hashing import BlockHasher
@@ -50,3 +54,31 @@ def build_model_routes(
         inst.id: by_name[inst.model] for inst in settings.instances() if inst.model in by_name
     }
     return by_name, by_instance
+
+
+class ServedModels:
+    """What ``/v1/models`` lists: the configured model names and aliases; without a
+    ``models`` table, the engines' own, asked at most every ``refresh_s`` (clients poll
+    /v1/models; the engines need not be asked each time)."""
+
+    def __init__(
+        self,
+        settings: Callable[[], Settings],  # the gateway's current settings (reloads swap them)
+        urls: Callable[[], Iterable[str]],  # the engines' base URLs, read live
+        clock: Callable[[], float],
+        refresh_s: float = 10.0,
+    ) -> None:
+        self._settings, self._urls, self._clock, self._refresh_s = settings, urls, clock, refresh_s
+        self._engine_models: list[str] = []
+        self._asked_at = float("-inf")
+
+    async def ids(self, session: aiohttp.ClientSession | None) -> list[str]:
+        settings = self._settings()
+        if settings.models:
+            return [n for m in settings.models for n in m.names()]
+        now = self._clock()
+        if session is not None and now - self._asked_at >= self._refresh_s:
+            answered = await fetch_served_models(session, list(self._urls()))
+            self._engine_models = answered or self._engine_models
+            self._asked_at = now
+        return list(self._engine_models)

@@ -249,7 +249,9 @@ class CompletionHandler:
             prefill=gw.targets[d.prefill],
             decode=gw.targets[d.decode],
             headers=headers,
-            timeout_s=gw.silence_timeout(d),  # no byte for this long: the engine is aborted
+            # No byte for this long: the engine is aborted. A whole (non-streamed) answer
+            # arrives only after its last token, so its generation time counts too.
+            timeout_s=gw.silence_timeout(d, 0 if parsed.stream else parsed.info.max_tokens),
             on_prefill_done=prefill_done,
             raw_body=raw or None,  # forwarded as the client sent it where it is unchanged
         )

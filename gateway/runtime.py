@@ -16,22 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from backends.drivers import ProtocolDriver, Target, driver_for
-from backends.engine_events import EngineEvent
-from backends.engine_keys import EngineKeyMap
-from backends.engine_models import fetch_served_models
 from backends.health import BreakerConfig, CircuitBreaker, HealthChecker
 from backends.http1 import Http1Client
-from backends.kv_events import KVEventSubscriber
 from backends.legs import Failure
 from backends.llamacpp_slots import SlotBook
 from backends.model_files import make_prompt_encoder
@@ -42,28 +36,19 @@ from backends.scraper import MetricsScraper
 from config.settings import InstanceSettings, PoolSettings, Role, Settings
 from gateway.capacity_loop import CapacitySignal
 from gateway.drain import Drain
+from gateway.kv_feeds import KvEventFeeds
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
-from gateway.models import ModelRoute, build_model_routes
+from gateway.models import ModelRoute, ServedModels, build_model_routes
 from gateway.openai import ParsedRequest, parse_request
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replicator import EngineView, Replicator
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
 from routing.hashing import BlockHasher
-from routing.types import AllBlocksCleared, Decision
+from routing.types import Decision
 
 log = logging.getLogger("kvgate.gateway")
-
-
-def tune_gc() -> None:
-    """For a gateway process, once its modules and app are built: the cyclic GC stops
-    rescanning the ~75k objects that live as long as the process (gc.freeze) and runs its
-    young collections less often. Measured (docs/proxy-bench.md): full collections of 25-55 ms
-    about once a second under load, ~20 us of GC per request, fall to ~1.5 us per request."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 20, 20)
 
 
 class Gateway:
@@ -101,14 +86,18 @@ class Gateway:
         self.client = Http1Client()  # the engine legs (pooled keep-alive connections)
         self.health: HealthChecker | None = None
         self.scraper: MetricsScraper | None = None
-        self._subscribers: dict[str, KVEventSubscriber] = {}
-        self.engine_keys: dict[str, EngineKeyMap] = {}  # per instance: engine hash -> own keys
+        self.kv_feeds = KvEventFeeds(
+            self.conductor,
+            clock,
+            lambda iid: self.instance_routes.get(iid, self.default_route).hasher,
+        )
         # llama.cpp instances: which slot each request is pinned to (filled as /slots is read)
         self.slot_book = SlotBook(max_waiting=settings.routing.llamacpp_slot_max_waiting)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
-        self._engine_models: list[str] = []
-        self._engine_models_at = float("-inf")
+        self.served_models = ServedModels(
+            lambda: self.settings, lambda: [t.url for t in self.targets.values()], clock
+        )
         # Other kvgate replicas' dispatched work counts as load here (docs/replicas.md).
         self.replicas = (
             ReplicaExchange(settings.replicas, self.conductor, clock)
@@ -128,7 +117,7 @@ class Gateway:
             clock,
             EngineView(
                 urls=_UrlView(self.targets),
-                sends_kv_events=lambda iid: iid in self._subscribers,
+                sends_kv_events=self.kv_feeds.sends_events,
                 engine_block_tokens=self._engine_block_tokens,
                 pin=self.pin_slot,
                 unpin=self.unpin_slot,
@@ -175,7 +164,7 @@ class Gateway:
         self.driver = self._make_driver()
         self._refresh_background_targets()
         if self.session is not None and spec.kv_events_endpoint:
-            self._subscribe(spec)
+            self._tasks.append(self.kv_feeds.subscribe(spec, self._stop))
 
     def remove_instance(self, instance_id: str) -> list[str]:
         affected = self.conductor.remove_instance(instance_id, self.clock())
@@ -183,10 +172,7 @@ class Gateway:
         self.targets.pop(instance_id, None)
         self.breakers.pop(instance_id, None)
         self.metrics.healthy.labels(instance_id).set(0)
-        sub = self._subscribers.pop(instance_id, None)
-        if sub is not None:
-            sub.close()
-        self.engine_keys.pop(instance_id, None)
+        self.kv_feeds.remove(instance_id)
         self.slot_book.forget(instance_id)
         self.settings = replace(
             self.settings,
@@ -230,16 +216,24 @@ class Gateway:
             models=self.model_routes,
         )
 
-    def silence_timeout(self, d: Decision) -> float:
+    def silence_timeout(self, d: Decision, whole_answer_tokens: int = 0) -> float:
         """How long an engine that took this request may send nothing before it is aborted:
         a multiple of the predicted TTFT or of the TTFT SLO, whichever is larger, within the
-        configured bounds (a prediction of 0 or an odd SLO cannot make it tiny or endless)."""
+        configured bounds (a prediction of 0 or an odd SLO cannot make it tiny or endless).
+        A non-streamed answer's first byte comes after its last token, so for one the same
+        multiples of the generation time (``whole_answer_tokens`` x TBT) are added on top."""
         srv = self.settings.server
         t = max(
             srv.silence_predicted_factor * d.predicted_ttft_s,
             srv.silence_slo_factor * d.slo_ttft_s,
         )
-        return min(max(t, srv.silence_min_s), srv.silence_max_s)
+        # max_tokens may be any huge integer the client sent; no engine generates more than
+        # its context (a few million tokens at most), so cap it before the float product.
+        generation = min(whole_answer_tokens, 1 << 24) * max(
+            srv.silence_predicted_factor * d.predicted_tbt_s,
+            srv.silence_slo_factor * d.slo_tbt_s,
+        )
+        return min(max(t, srv.silence_min_s), srv.silence_max_s) + generation
 
     # ------------------------------------------------------------------ health
     def on_health_change(self, instance_id: str, healthy: bool) -> None:
@@ -300,54 +294,6 @@ class Gateway:
         load = self.scraper.latest(instance_id, self.clock()) if self.scraper else None
         return load.block_size if load is not None else None
 
-    # ------------------------------------------------------------------ KV events
-    def _on_kv_events(self, instance_id: str, events: list[EngineEvent]) -> None:
-        keys = self.engine_keys.get(instance_id)
-        if keys is None:  # removed while a batch was in flight
-            return
-        now = self.clock()
-        for ev in keys.apply(events):  # the engine's hashes -> kvgate's own keys
-            self.conductor.kv_event(instance_id, ev, now)
-
-    def _on_kv_resync(self, instance_id: str) -> None:
-        # Lost events: forget what we believed the instance holds; it re-learns from new ones.
-        keys = self.engine_keys.get(instance_id)
-        if keys is not None:
-            keys.clear()
-        self.conductor.kv_event(instance_id, AllBlocksCleared(), self.clock())
-
-    def _subscribe(self, spec: InstanceSettings) -> None:
-        assert spec.kv_events_endpoint is not None
-        # Engine events are keyed into the instance's model's key space, like its requests.
-        route = self.instance_routes.get(spec.id, self.default_route)
-        self.engine_keys[spec.id] = EngineKeyMap(route.hasher)
-        sub = KVEventSubscriber(
-            spec.kv_events_endpoint,
-            spec.id,
-            self._on_kv_events,
-            engine_host=urlsplit(spec.url).hostname or "127.0.0.1",
-            bind=spec.kv_events_bind,
-            replay_endpoint=spec.kv_events_replay_endpoint,
-            on_resync=self._on_kv_resync,
-        )
-        self._subscribers[spec.id] = sub
-        self._tasks.append(asyncio.create_task(sub.run(self._stop)))
-
-    # ------------------------------------------------------------------ models
-    async def served_model_ids(self) -> list[str]:
-        """Configured model names and aliases; without a ``models`` table, the engines' own
-        (asked at most every 10 s: clients poll /v1/models)."""
-        if self.settings.models:
-            return [n for m in self.settings.models for n in m.names()]
-        now = self.clock()
-        if self.session is not None and now - self._engine_models_at >= 10.0:
-            urls = [t.url for t in self.targets.values()]
-            self._engine_models = await fetch_served_models(self.session, urls) or (
-                self._engine_models
-            )
-            self._engine_models_at = now
-        return list(self._engine_models)
-
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
@@ -376,7 +322,7 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._refit_loop()))
         for spec in self.specs.values():
             if spec.kv_events_endpoint:
-                self._subscribe(spec)
+                self._tasks.append(self.kv_feeds.subscribe(spec, self._stop))
         if self.replicas is not None:
             self.replicas.start()
             self._tasks.append(asyncio.create_task(self.replicas.run(self._stop)))
@@ -432,8 +378,7 @@ class Gateway:
         self._stop.set()
         if self.health is not None:
             self.health.cancel_probes()
-        for sub in self._subscribers.values():
-            sub.close()
+        self.kv_feeds.close()
         if self.replicas is not None:
             self.replicas.close()
         for task in self._tasks:

@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     app.gateway.config_path = args.config
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    from gateway.runtime import tune_gc
+    from gateway.gc_tuning import tune_gc
 
     tune_gc()  # the process is this gateway's alone: tune the cyclic GC for it
     host = args.host or settings.server.host

@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgate epp: {args.config}: {why}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    from gateway.runtime import tune_gc
+    from gateway.gc_tuning import tune_gc
 
     tune_gc()
     try:

@@ -33,7 +33,7 @@ class EmulatorConfig:
     model: str | None = None  # served model name; None = the profile name
     bootstrap_port: int | None = None  # SGLang: extra port serving the bootstrap endpoint
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # Engine model knobs; None = the same defaults replay.fleet gives the simulator.
+    # Engine model knobs; None = the same defaults replay.sim.fleet gives the simulator.
     chunk_tokens: int | None = None
     cache_capacity_tokens: int | None = None
     max_batch: int | None = None

@@ -86,7 +86,7 @@ def build_state(config: EmulatorConfig) -> EmulatorState:
     timing = StepTiming.from_profile(profile, config.overhead_ms)
     capacity = config.cache_capacity_tokens or profile.kv_capacity_tokens
     chunk = config.chunk_tokens
-    if config.role is not Role.PREFILL:  # same defaults replay.fleet gives the simulator
+    if config.role is not Role.PREFILL:  # same defaults replay.sim.fleet gives the simulator
         chunk = chunk or profile.max_batched_tokens
     tbt = config.decode_tbt_limit_ms / 1e3 if config.decode_tbt_limit_ms is not None else None
     engine = Engine(

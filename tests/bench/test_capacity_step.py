@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from bench.capacity_step import step_response, step_trace, tracking
-from replay.traces import TraceRequest
+from replay.workload.traces import TraceRequest
 
 
 def test_step_trace_doubles_the_rate_at_the_phase() -> None:

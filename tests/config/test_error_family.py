@@ -12,7 +12,7 @@ from backends.profiler import ProfileError
 from backends.prometheus import MetricsParseError
 from config.errors import ConfigError, KvgateError
 from predictors.calibration import ProfileDataError
-from replay.traces import TraceError
+from replay.workload.traces import TraceError
 from routing.admission import UnknownPriority
 from routing.chat_template import ChatTemplateError
 from routing.policies.registry import PolicyError, build_policy

@@ -10,6 +10,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 import uvicorn
 
 from config.settings import (
@@ -143,7 +144,8 @@ def test_a_refused_engine_is_ejected_by_one_request_and_keeps_nothing_cached() -
 def _silent_engine(mode: str):
     """An engine that answers /health but goes silent on a completion: ``before_headers``
     sends nothing at all; ``after_headers`` sends the SSE headers, then nothing (vLLM's
-    shape); ``mid_stream`` sends one token, then nothing."""
+    shape); ``mid_stream`` sends one token, then nothing; ``slow_whole`` is not silent but
+    slow: a whole (non-streamed) answer after 1.5 s, as a long generation arrives."""
     from aiohttp import web
 
     async def health(request: web.Request) -> web.Response:
@@ -151,6 +153,10 @@ def _silent_engine(mode: str):
 
     async def complete(request: web.Request) -> web.StreamResponse:
         await request.read()
+        if mode == "slow_whole":
+            await asyncio.sleep(1.5)
+            choice = {"index": 0, "text": "x" * 16, "finish_reason": "length"}
+            return web.json_response({"object": "text_completion", "choices": [choice]})
         if mode != "before_headers":
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -169,7 +175,7 @@ def _silent_engine(mode: str):
 def test_a_silent_engine_is_aborted_after_the_silence_timeout() -> None:
     from aiohttp.test_utils import TestServer
 
-    async def run(mode: str, stream: bool):
+    async def run(mode: str, stream: bool, max_tokens: int = 4):
         engine = TestServer(_silent_engine(mode), host="127.0.0.1")
         await engine.start_server()
         # SLO 0.2 s: the timeout is max(4 x predicted, 2 x 0.2 s) within 0.5..0.8 s.
@@ -185,7 +191,7 @@ def test_a_silent_engine_is_aborted_after_the_silence_timeout() -> None:
             async with _gateway(settings) as (app, url), aiohttp.ClientSession() as s:
                 gw = app.gateway
                 t0 = time.monotonic()
-                body = {"prompt": "quiet " * 40, "max_tokens": 4, "stream": stream}
+                body = {"prompt": "quiet " * 40, "max_tokens": max_tokens, "stream": stream}
                 async with s.post(url + "/v1/completions", json=body) as r:
                     if r.status == 200 and stream:
                         answer: object = await _read_sse(r)
@@ -220,6 +226,12 @@ def test_a_silent_engine_is_aborted_after_the_silence_timeout() -> None:
     assert [e["code"] for e in errors] == ["engine_silent"]
     assert out["breaker_failures"] == 1 and out["outcomes"] == ["failed"]
     assert out["books"] == (0, 0)
+    # A whole answer past the 0.8 s ceiling is not cut: its 16 tokens x 2 x 0.1 s TBT SLO
+    # add 3.2 s (the 504 before the fix).
+    out = asyncio.run(asyncio.wait_for(run("slow_whole", False, max_tokens=16), 20))
+    assert out["status"] == 200 and out["answer"]["choices"][0]["text"] == "x" * 16, out
+    assert out["breaker_failures"] == 0 and out["outcomes"] == ["completed"]
+    assert out["books"] == (0, 0)
 
 
 def test_the_silence_timeout_follows_prediction_and_slo_within_bounds() -> None:
@@ -229,13 +241,21 @@ def test_the_silence_timeout_follows_prediction_and_slo_within_bounds() -> None:
 
     gw = Gateway(_colocated({"w": "http://127.0.0.1:9"}))  # defaults: 4x, 3x, 30..300 s
 
-    def timeout(predicted: float, slo: float) -> float:
-        return gw.silence_timeout(SimpleNamespace(predicted_ttft_s=predicted, slo_ttft_s=slo))  # type: ignore[arg-type]
+    def timeout(predicted: float, slo: float, tokens: int = 0, tbt: float = 0.0) -> float:
+        d = SimpleNamespace(
+            predicted_ttft_s=predicted, slo_ttft_s=slo, predicted_tbt_s=tbt, slo_tbt_s=0.1
+        )
+        return gw.silence_timeout(d, tokens)  # type: ignore[arg-type]
 
     assert timeout(0.1, 0.2) == 30.0  # a fast prediction cannot make it tiny
     assert timeout(20.0, 5.0) == 80.0  # 4 x predicted TTFT (a long queue)
     assert timeout(1.0, 40.0) == 120.0  # 3 x the TTFT SLO
     assert timeout(500.0, 5.0) == 300.0  # bounded above
+    # A whole answer comes after its last token: its generation time is added, beyond the
+    # ceiling too (4 x 0.5 s predicted TBT > 3 x 0.1 s SLO TBT, for 1,000 tokens).
+    assert timeout(0.1, 0.2, tokens=1000, tbt=0.5) == pytest.approx(30.0 + 2000.0)
+    assert timeout(500.0, 5.0, tokens=100, tbt=0.01) == pytest.approx(300.0 + 30.0)
+    assert timeout(0.1, 0.2, tokens=10**400, tbt=0.5) < float("inf")  # any client max_tokens
 
 
 class _RawEngine:

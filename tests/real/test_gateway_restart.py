@@ -101,7 +101,7 @@ def test_a_restarted_gateway_knows_what_the_engine_cached_before(
             want = keys(through_a) + keys(direct)
             # No request reaches the engine meanwhile: only its replay buffer can tell.
             ok = await _until(lambda: all(index.holds("v0", k) for k in want), 20)
-            sub = gw._subscribers["v0"]
+            sub = gw.kv_feeds.subscribers["v0"]
             return ok, sub.stats.caught_up
         finally:
             server.should_exit = True

@@ -292,7 +292,7 @@ def test_through_the_gateway_engine_events_carry_the_requests_keys(
         return unpack_token_ids(gw.prompt_encoder.encode(path, body).packed)
 
     def event_keys(tokens: list[int]) -> list[int]:
-        keys = gw.engine_keys["v0"]
+        keys = gw.kv_feeds.keys["v0"]
         return [k for h in vllm_hashes(tokens) for k in keys.keys_of(h)]
 
     async def main() -> None:
@@ -329,5 +329,5 @@ def test_through_the_gateway_engine_events_carry_the_requests_keys(
     asyncio.run(asyncio.wait_for(main(), timeout=180))
     print("\ngateway: keys rebuilt from engine events, % of the request's keys:", report)
     assert report and all(v == 100.0 for v in report.values()), report
-    stats = gw.engine_keys["v0"].stats if "v0" in gw.engine_keys else None
+    stats = gw.kv_feeds.keys["v0"].stats if "v0" in gw.kv_feeds.keys else None
     print("engine key map:", stats)

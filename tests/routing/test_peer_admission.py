@@ -10,7 +10,7 @@ import pytest
 from config.checks import check_settings
 from config.errors import IssueCollector
 from config.settings import AdmissionMode, AdmissionSettings, PeerOverloadSettings
-from replay.sim_cli import parse_run_specs
+from replay.sim.sim_cli import parse_run_specs
 from routing.cluster import DecodeWork
 from routing.conductor import Conductor
 from routing.types import Decision, Rejection, RejectReason
@@ -135,7 +135,7 @@ def test_peer_admission_needs_a_peer_policy() -> None:
 
 def test_sim_tune_names_the_winning_setting(tmp_path: Path) -> None:
     from gateway.cli import main
-    from replay.synthetic import chat_spec, generate, write_mooncake
+    from replay.workload.synthetic import chat_spec, generate, write_mooncake
 
     trace = tmp_path / "t.jsonl"
     write_mooncake(generate(chat_spec(requests=40, rate_rps=20.0, seed=1)), trace)

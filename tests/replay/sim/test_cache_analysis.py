@@ -1,4 +1,4 @@
-"""Prefix-cache hit ratios by policy and capacity (``replay.cache_analysis``)."""
+"""Prefix-cache hit ratios by policy and capacity (``replay.sim.cache_analysis``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.cache_analysis import (
+from replay.sim.cache_analysis import (
     POLICIES,
     CacheResult,
     add_arguments,
@@ -18,9 +18,9 @@ from replay.cache_analysis import (
     parse_capacities,
     simulate,
 )
-from replay.synthetic import SyntheticSpec, generate, write_mooncake
-from replay.traces import TraceRequest, blocks_seen_before
-from tests.replay.test_traces import real_trace
+from replay.workload.synthetic import SyntheticSpec, generate, write_mooncake
+from replay.workload.traces import TraceRequest, blocks_seen_before
+from tests.replay.workload.test_traces import real_trace
 
 
 def trace(*blocks: tuple[int, ...]) -> list[TraceRequest]:

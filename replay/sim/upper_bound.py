@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from predictors.profiles import EngineProfile
 from replay.engine.timing import StepTiming
-from replay.traces import BLOCK_SIZE, TraceRequest
+from replay.workload.traces import BLOCK_SIZE, TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,12 @@ from config.settings import (
 )
 from predictors.profiles import get_profile
 from replay.engine.timing import StepTiming
-from replay.fleet import FleetSpec
-from replay.report import summarize
-from replay.results import Outcome
-from replay.simulator import Simulator
-from replay.synthetic import chat_spec, generate
-from replay.traces import TraceRequest
+from replay.report.report import summarize
+from replay.report.results import Outcome
+from replay.sim.fleet import FleetSpec
+from replay.sim.simulator import Simulator
+from replay.workload.synthetic import chat_spec, generate
+from replay.workload.traces import TraceRequest
 
 PROFILE = "llama3-8b-h100-tp1"
 

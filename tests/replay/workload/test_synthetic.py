@@ -1,4 +1,4 @@
-"""Synthetic workload generation (``replay.synthetic``)."""
+"""Synthetic workload generation (``replay.workload.synthetic``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replay.synthetic import (
+from replay.workload.synthetic import (
     LengthDist,
     SyntheticSpec,
     chat_spec,
@@ -19,7 +19,7 @@ from replay.synthetic import (
     uniform,
     write_mooncake,
 )
-from replay.traces import TraceRequest, blocks_for, load_mooncake, trace_summary
+from replay.workload.traces import TraceRequest, blocks_for, load_mooncake, trace_summary
 
 
 def gaps(reqs: list[TraceRequest]) -> np.ndarray:

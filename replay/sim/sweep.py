@@ -1,7 +1,7 @@
 """``kvgate sim sweep TRACE``: goodput, p90 TTFT and wasted prefills over load and TTFT SLO.
 
 Every point (speed × TTFT SLO) runs each ``--compare`` entry through the simulator on the same
-selection of the trace, and computes the goodput upper bound (``replay/upper_bound.py``) for the
+selection of the trace, and computes the goodput upper bound (``replay/sim/upper_bound.py``) for the
 same trace, fleet and SLOs, so each row says how far each policy is from what is possible. The
 JSON holds every summary plus the bound; the PNGs plot one panel per TTFT SLO (goodput with the
 bound dashed, p90 TTFT, wasted-prefill ratio against speed). Deterministic: same inputs, same
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from predictors.profiles import get_profile
-from replay.progress import ProgressBar
-from replay.traces import TraceError, select
-from replay.upper_bound import fraction_of_bound, goodput_bound
+from replay.report.progress import ProgressBar
+from replay.sim.upper_bound import fraction_of_bound, goodput_bound
+from replay.workload.traces import TraceError, select
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -34,7 +34,7 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from replay.sim_cli import add_arguments as add_sim_args
+    from replay.sim.sim_cli import add_arguments as add_sim_args
 
     add_sim_args(p)
     p.add_argument("--speeds", default="0.5,1,1.5,2,2.5,3", help="comma list of speed factors")
@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from replay.report import summarize
-    from replay.sim_cli import (
+    from replay.report.report import summarize
+    from replay.sim.sim_cli import (
         base_settings,
         fleet_from,
         load_workload,

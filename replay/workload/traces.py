@@ -326,7 +326,7 @@ def blocks_seen_before(requests: Iterable[TraceRequest]) -> tuple[int, int]:
     """(blocks whose id appeared in an earlier request, all blocks): infinite-cache reuse.
 
     With chained ids a seen block implies its whole prefix was seen, so this equals the
-    leading-prefix hit count of an infinite cache (``replay.cache_analysis``).
+    leading-prefix hit count of an infinite cache (``replay.sim.cache_analysis``).
     """
     seen: set[int] = set()
     hits = total = 0

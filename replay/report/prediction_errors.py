@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from replay.results import Outcome, RunResult
+from replay.report.results import Outcome, RunResult
 
 
 def relative_errors(pairs: Iterable[tuple[float | None, float | None]]) -> dict[str, float | int]:

@@ -13,12 +13,10 @@ from config.settings import (
     SLOSettings,
 )
 from predictors.profiles import get_profile
-from replay.fleet import FleetSpec
-from replay.report import summarize
-from replay.simulator import Simulator
-from replay.synthetic import chat_spec, generate
-from replay.traces import TraceRequest
-from replay.upper_bound import (
+from replay.report.report import summarize
+from replay.sim.fleet import FleetSpec
+from replay.sim.simulator import Simulator
+from replay.sim.upper_bound import (
     Job,
     fraction_of_bound,
     goodput_bound,
@@ -26,6 +24,8 @@ from replay.upper_bound import (
     resource_bound,
     window_count,
 )
+from replay.workload.synthetic import chat_spec, generate
+from replay.workload.traces import TraceRequest
 
 PROFILE = "llama3-8b-h100-tp1"
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from replay.traces import TraceError, TraceRequest, load_trace
+from replay.workload.traces import TraceError, TraceRequest, load_trace
 
 POLICIES = ("lru", "lfu", "length_aware")
 EXIT_USAGE = 2
@@ -256,6 +256,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m replay.cache_analysis")
+    _parser = argparse.ArgumentParser(prog="python -m replay.sim.cache_analysis")
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -1,4 +1,4 @@
-"""Trace loaders, selection and summary (``replay.traces``)."""
+"""Trace loaders, selection and summary (``replay.workload.traces``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.traces import (
+from replay.workload.traces import (
     TraceError,
     TraceRequest,
     load_csv,
@@ -32,7 +32,7 @@ def traces_dir() -> Path | None:
     candidates = [Path(env)] if env else []
     candidates += [
         Path("/work/shared/traces"),
-        Path(__file__).resolve().parents[2] / ".." / "shared" / "traces",
+        Path(__file__).resolve().parents[3] / ".." / "shared" / "traces",
     ]
     return next((c for c in candidates if (c / "conversation_trace.jsonl").is_file()), None)
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from replay.report import (
+from replay.report.report import (
     REQUIRED_KEYS,
     format_table,
     load_timeline,
@@ -14,7 +14,7 @@ from replay.report import (
     weighted_percentile,
     write_json,
 )
-from replay.results import LoadSample, Outcome, RequestOutcome, RunResult
+from replay.report.results import LoadSample, Outcome, RequestOutcome, RunResult
 
 C, R, RAP, F = (
     Outcome.COMPLETED,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from replay.report import REQUIRED_KEYS
-from replay.synthetic import chat_spec, generate, write_mooncake
+from replay.report.report import REQUIRED_KEYS
+from replay.workload.synthetic import chat_spec, generate, write_mooncake
 
 REQUIRED = set(REQUIRED_KEYS)
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from replay.report import load_timeline, oscillation
-from replay.results import Outcome, RunResult
+from replay.report.report import load_timeline, oscillation
+from replay.report.results import Outcome, RunResult
 
 FIGSIZE = (8.0, 6.0)
 DPI = 100

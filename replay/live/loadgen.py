@@ -19,9 +19,9 @@ from pathlib import Path
 
 import aiohttp
 
-from replay.progress import ProgressBar
-from replay.results import Outcome, RequestOutcome, RunResult
-from replay.traces import BLOCK_SIZE, TraceError, TraceRequest, load_trace, select
+from replay.report.progress import ProgressBar
+from replay.report.results import Outcome, RequestOutcome, RunResult
+from replay.workload.traces import BLOCK_SIZE, TraceError, TraceRequest, load_trace, select
 from routing.hashing import block_tokens_for_id
 from routing.prompt import count_stream_tokens
 
@@ -199,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from replay.report import format_table, summarize, write_json
+    from replay.report.report import format_table, summarize, write_json
 
     try:
         if args.time_scale <= 0:
@@ -235,7 +235,7 @@ def main(args: argparse.Namespace) -> int:
             extra={"trace": args.trace, "speed": args.speed, "time_scale": args.time_scale},
         )
     if args.plots:
-        from replay.plots import write_plots
+        from replay.report.plots import write_plots
 
         write_plots([result], Path(args.plots))
     return 0

@@ -1,7 +1,7 @@
 """What one replay run produced: per-request outcomes and load samples.
 
 The offline simulator and the live load generator both fill these, so one report module
-(``replay.report``) summarises either. Times are seconds from the start of the trace.
+(``replay.report.report``) summarises either. Times are seconds from the start of the trace.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from replay.prediction_errors import prediction_errors
-from replay.results import Outcome, RunResult
+from replay.report.prediction_errors import prediction_errors
+from replay.report.results import Outcome, RunResult
 
 PREFILL_ROLES = frozenset({"prefill", "both"})
 DECODE_ROLES = frozenset({"decode", "both"})

@@ -16,10 +16,10 @@ from config.settings import (
     SLOSettings,
     frozen_mapping,
 )
-from replay.fleet import FleetSpec
-from replay.progress import ProgressBar
-from replay.results import RunResult
-from replay.traces import TraceRequest, load_trace, select
+from replay.report.progress import ProgressBar
+from replay.report.results import RunResult
+from replay.sim.fleet import FleetSpec
+from replay.workload.traces import TraceRequest, load_trace, select
 
 _SYNTHETIC = {"synthetic:chat"}
 # Policies with a shipped overload control (admission mode "peer").
@@ -66,7 +66,7 @@ def parse_run_specs(text: str, default_admission: AdmissionMode | None) -> list[
 
 def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
     if args.trace in _SYNTHETIC:
-        from replay.synthetic import chat_spec, generate
+        from replay.workload.synthetic import chat_spec, generate
 
         trace = generate(chat_spec(requests=args.limit or 2000, seed=args.seed))
     else:
@@ -159,7 +159,7 @@ def run_one(
     quiet: bool,
     ttft_after_transfer: bool = False,
 ) -> RunResult:
-    from replay.simulator import SimOptions, Simulator
+    from replay.sim.simulator import SimOptions, Simulator
 
     s = replace(
         settings,
@@ -189,7 +189,7 @@ def tuned_run(
     """``--tune``: the peer's main threshold swept over PEER_TUNING's grid, as an operator
     would; the run with the best goodput wins (ties: the earlier, i.e. more permissive or
     shipped, setting). The label and ``extra["peer_setting"]`` name the winner."""
-    from replay.report import summarize
+    from replay.report.report import summarize
     from routing.policies.peer_overload import PEER_TUNING
 
     key, values = PEER_TUNING[spec.policy]
@@ -284,7 +284,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from config.errors import KvgateError
-    from replay.report import format_table, summarize, write_json
+    from replay.report.report import format_table, summarize, write_json
     from routing.policies.registry import build_policy
 
     try:
@@ -313,7 +313,7 @@ def main(args: argparse.Namespace) -> int:
         write_json(Path(args.json), summaries, extra={"trace": args.trace, "speed": args.speed})
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
-        from replay.plots import write_plots
+        from replay.report.plots import write_plots
 
         for path in write_plots(results, Path(args.plots)):
             print(f"wrote {path}", file=sys.stderr)

@@ -22,9 +22,9 @@ from config.settings import Role, Settings
 from predictors.profiles import get_profile
 from replay.engine.engine import DecodeSeq, Engine, PrefillJob, StepReport
 from replay.engine.network import Network
-from replay.fleet import FleetSpec, build_engines, fleet_settings
-from replay.results import LoadSample, Outcome, RequestOutcome, RunResult
-from replay.traces import TraceRequest
+from replay.report.results import LoadSample, Outcome, RequestOutcome, RunResult
+from replay.sim.fleet import FleetSpec, build_engines, fleet_settings
+from replay.workload.traces import TraceRequest
 from routing.conductor import Conductor
 from routing.hashing import hash_ids_to_blocks
 from routing.types import Decision, ReplicationCommand, RequestInfo

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replay.traces import BLOCK_SIZE, TraceRequest, blocks_for
+from replay.workload.traces import BLOCK_SIZE, TraceRequest, blocks_for
 
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 ARRIVALS = ("poisson", "gamma")

@@ -1,8 +1,8 @@
 import pytest
 
-from replay.prediction_errors import prediction_errors, relative_errors
-from replay.report import summarize
-from replay.results import Outcome, RequestOutcome, RunResult
+from replay.report.prediction_errors import prediction_errors, relative_errors
+from replay.report.report import summarize
+from replay.report.results import Outcome, RequestOutcome, RunResult
 
 
 def _done(i: int, ttft: float, pred_ttft: float, gen: int, pred_gen: int) -> RequestOutcome:

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from replay import plots
-from replay.results import Outcome, RequestOutcome
-from tests.replay.test_report import empty_run, sample_run
+from replay.report import plots
+from replay.report.results import Outcome, RequestOutcome
+from tests.replay.report.test_report import empty_run, sample_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

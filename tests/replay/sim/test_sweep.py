@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from replay.synthetic import chat_spec, generate, write_mooncake
+from replay.workload.synthetic import chat_spec, generate, write_mooncake
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""Live tools: load generation against a running gateway or engine."""

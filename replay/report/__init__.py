@@ -1,0 +1,1 @@
+"""Reporting: run results, summaries, plots, prediction errors and progress output."""

@@ -1,0 +1,1 @@
+"""Workloads kvgate replays: trace loading (Mooncake JSONL) and synthetic generators."""
