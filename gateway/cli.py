@@ -35,7 +35,7 @@ def _config_check(args: argparse.Namespace) -> int:
 
 
 def _bench_decision(args: argparse.Namespace) -> int:
-    from bench.decision import main
+    from replay.sim.decision_latency import main
 
     return main(args)
 
@@ -158,7 +158,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "decision", help="latency of one scheduling decision on a warmed state"
     )
     if wanted("bench"):
-        importlib.import_module("bench.decision").add_arguments(decision)
+        importlib.import_module("replay.sim.decision_latency").add_arguments(decision)
     decision.set_defaults(func=_bench_decision)
 
     sim = sub.add_parser(
