@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.rejection_path import probe_summary
 from replay.report.report import summarize
 from replay.report.results import Outcome, RequestOutcome, RunResult
 
@@ -45,6 +46,13 @@ class PhaseRun:
     # late the machine (shared, 2 cores) schedules the client and the servers at all.
     pings: list[tuple[float, str, float]] = field(default_factory=list)
     cut_short: bool = False
+    # Per phase: the rejection probe's rows [epoch_s, ms, status, reason, hopeless]
+    # (``bench.rejection_path --live``), when it ran.
+    probe: list[list[list[Any]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.probe:
+            self.probe = [[] for _ in self.phases]
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -92,6 +100,8 @@ def phase_summary(run: PhaseRun, k: int, args: argparse.Namespace) -> dict[str, 
         "p99": _pct(rej, 99),
         "max": _pct(rej, 100),
     }
+    if run.probe[k]:
+        out["reject_probe_ms"] = probe_summary(run.probe[k])
     start = sum(p.duration_s for p in run.phases[:k])
     for target in sorted({name for _, name, _ in run.pings}):
         ms = [
@@ -179,6 +189,15 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{r['p99'] if r['p99'] is not None else '-':>8} {s['ttft_p99_s'] or 0:9.3f} "
             f"{f'{gw}, {eng}':>20}"
         )
+    for s in rep["phases"]:
+        pr = s.get("reject_probe_ms")
+        if pr:
+            a, h, f = pr["all"], pr["hopeless"], pr["full"]
+            lines.append(
+                f"reject probe {s['phase']}: {pr['rejected']}/{pr['sent']} rejected, p50/p90/p99 "
+                f"{a['p50']}/{a['p90']}/{a['p99']} ms; hopeless n={h['n']} p50/p99 "
+                f"{h['p50']}/{h['p99']}; full n={f['n']} p50/p99 {f['p50']}/{f['p99']}"
+            )
     g = rep["rss_growth"]
     lines.append(
         f"gateway RSS: {len(rep['samples']['t_s'])} samples, "

@@ -9,6 +9,11 @@ requests within the SLOs).
 * ``overload``: 1x for ``--minutes``, then 3x for ``--minutes``. Goodput (requests/s within
   the SLOs) of each phase and their ratio (target >= 0.9), how fast rejections are answered as
   the client sees them (p50/p99, target p99 <= 5 ms), gateway RSS over time, books at the end.
+* ``--reject-probe``: alongside either mode, one sequential client in a child process
+  (``bench.rejection_path --live``) sends ~4k-token prompts with ``x-slo-ttft-ms: 1`` every
+  ``--probe-every-ms``; all are rejected, so it adds no engine work, and its latencies (per
+  phase, split by the hopeless and the full path) isolate the rejection path from the load
+  client's own event loop.
 * ``soak``: 1x for ``--minutes``. Gateway RSS every ``--sample-s`` seconds and its growth after
   the warm-up (the first 20 %; target <= 5 %), KV index size and decision history over time
   (bounded), books at the end (back to zero).
@@ -51,6 +56,7 @@ from bench.overload_report import (
     rss_growth,
     series,
 )
+from bench.rejection_path import live_probe_rows, start_live_probe
 from replay.live.loadgen import LoadOptions, prompt_ids, send_one
 from replay.report.results import Outcome, RequestOutcome
 from replay.workload.synthetic import SyntheticSpec, fixed, generate, lognormal
@@ -168,8 +174,10 @@ async def drive(
     phases: list[Phase],
     args: argparse.Namespace,
     sample_s: float | None = None,
+    probe_every_ms: float | None = None,
 ) -> PhaseRun:
-    """Open-loop load through ``phases``; samples RSS and books every ``sample_s`` if given."""
+    """Open-loop load through ``phases``; samples RSS and books every ``sample_s`` if given;
+    with ``probe_every_ms``, the rejection probe runs alongside the load."""
     trace = phase_trace(phases, args.input_tokens, args.output_tokens, args.seed)
     opts = LoadOptions(
         fleet.url,
@@ -181,7 +189,10 @@ async def drive(
     run = PhaseRun(phases, [[] for _ in phases], [[] for _ in phases])
     total_s = sum(p.duration_s for p in phases)
     stop = asyncio.Event()
-    t0 = time.perf_counter()
+    t0, t0_epoch = time.perf_counter(), time.time()
+    probe_out, probe = fleet.spec.workdir / "reject-probe.json", None
+    if probe_every_ms:
+        probe = start_live_probe(fleet.url, probe_out, total_s, probe_every_ms)
     sampler = None
     tasks: set[asyncio.Task[None]] = set()  # open client requests
     n_pings = int((total_s + DRAIN_S) / PING_S) + 2
@@ -189,28 +200,42 @@ async def drive(
     if sample_s:
         n = int((total_s + DRAIN_S) / sample_s) + 2
         sampler = asyncio.create_task(_sampler(fleet, run, tasks, sample_s, t0, stop, n))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for k, tr in trace:
-            delay = tr.arrival_s - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if len(tasks) >= MAX_PENDING:
-                run.cut_short = True
-                break
-            out = RequestOutcome(f"r{tr.index}", tr.arrival_s, tr.input_length, tr.output_length)
-            run.outcomes[k].append(out)
-            task = asyncio.create_task(_timed(session, tr, opts, t0, out, run.reject_ms[k]))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            _, late = await asyncio.wait(set(tasks), timeout=DRAIN_S + opts.timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            for k, tr in trace:
+                delay = tr.arrival_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if len(tasks) >= MAX_PENDING:
+                    run.cut_short = True
+                    break
+                out = RequestOutcome(
+                    f"r{tr.index}", tr.arrival_s, tr.input_length, tr.output_length
+                )
+                run.outcomes[k].append(out)
+                task = asyncio.create_task(_timed(session, tr, opts, t0, out, run.reject_ms[k]))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                _, late = await asyncio.wait(set(tasks), timeout=DRAIN_S + opts.timeout_s)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
+    except BaseException:  # Ctrl-C, SIGTERM: the probe child is ended by its PID too
+        if probe is not None and probe.poll() is None:
+            probe.kill()
+            probe.wait()
+        raise
     stop.set()
     await pinger
     if sampler is not None:
         await sampler
+    if probe is not None:
+        starts = [sum(p.duration_s for p in phases[:k]) for k in range(len(phases))]
+        for row in await asyncio.to_thread(live_probe_rows, probe, probe_out):
+            t = row[0] - t0_epoch
+            k = max((k for k, s in enumerate(starts) if t >= s), default=0)
+            run.probe[k].append(row)
     return run
 
 
@@ -241,7 +266,8 @@ async def run_mode(fleet: EmulatedFleet, args: argparse.Namespace) -> dict[str, 
         phases = [Phase("1x", rate, seconds), Phase("3x", OVERLOAD_FACTOR * rate, seconds)]
     else:
         phases = [Phase("1x", rate, seconds)]
-    run = await drive(fleet, phases, args, sample_s=args.sample_s)
+    probe = args.probe_every_ms if args.reject_probe else None
+    run = await drive(fleet, phases, args, sample_s=args.sample_s, probe_every_ms=probe)
     books_end = (await asyncio.to_thread(fleet.settled_books)).as_dict()
     summaries = [phase_summary(run, k, args) for k in range(len(phases))]
     total_s = sum(p.duration_s for p in phases)
@@ -303,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="config and logs (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument(
+        "--reject-probe",
+        action="store_true",
+        help="also run a sequential client of rejected 4k-token requests (x-slo-ttft-ms: 1)",
+    )
+    p.add_argument("--probe-every-ms", type=float, default=100.0, help="its send period")
     return p
 
 

@@ -5,14 +5,23 @@ Kept apart from the hot path's control flow (gateway/proxy.py) so that each read
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import os
 from typing import Any
 
+from backends.drivers import UpstreamError
 from gateway.openai import BadRequest, error_body
-from gateway.relay import Receive, Send
+from gateway.relay import (
+    Receive,
+    ResponseStart,
+    Send,
+    send_stream_error,
+    shutting_down_body,
+    upstream_failure,
+)
 from routing.types import Decision, Rejection
 
 Scope = dict[str, Any]
@@ -93,3 +102,28 @@ def decision_headers(d: Decision, request_id: str) -> list[tuple[bytes, bytes]]:
         (b"x-kvgate-predicted-ttft-ms", f"{d.predicted_ttft_s * 1e3:.1f}".encode()),
         (b"x-kvgate-predicted-tbt-ms", f"{d.predicted_tbt_s * 1e3:.2f}".encode()),
     ]
+
+
+async def send_upstream_error(send: Send, exc: UpstreamError, rid: str) -> None:
+    """A failed engine leg's answer, when nothing has reached the client yet."""
+    if exc.status is not None and exc.body:
+        # An engine's own error (e.g. 400 for a bad parameter, 503 from a full decode
+        # instance) is passed through as the engine said it, if it is an OpenAI error;
+        # anything else (a plain-text 400 from its HTTP parser) is wrapped in one.
+        body = exc.body if is_openai_error(exc.body) else None
+        if body is None:
+            text = exc.body[:300].decode("utf-8", "replace")
+            kind = "invalid_request_error" if exc.status < 500 else "upstream_error"
+            body = error_body(f"engine {exc.instance_id}: {text}", kind)
+        await send_json(send, exc.status, body, [(b"x-request-id", rid.encode())])
+        return
+    await send_json(send, *upstream_failure(exc), [(b"x-request-id", rid.encode())])
+
+
+async def end_aborted(send: Send, stream: bool, start: ResponseStart) -> None:
+    """The drain cut this answer: a clean end for the client, whatever was sent."""
+    if start.sent:
+        await send_stream_error(send, stream, None)
+        return
+    with contextlib.suppress(OSError):
+        await send_json(send, 503, shutting_down_body(), [(b"retry-after", b"1")])

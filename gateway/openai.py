@@ -132,6 +132,68 @@ class ParsedRequest:
     exact: bool = False
 
 
+@dataclass(slots=True)
+class RequestHead:
+    """A completion body parsed up to its prompt: what is known before tokenizing it."""
+
+    body: dict[str, Any]
+    stream: bool
+    route: ModelRoute | None  # config ``models``: the model the body names
+
+
+def parse_head(raw: bytes, models: Mapping[str, ModelRoute] | None = None) -> RequestHead:
+    """The JSON body, ``stream`` and the model's route; raises BadRequest (these are the
+    first checks of ``parse_request``, in its order)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    stream = body.get("stream")
+    if stream is None:  # OpenAI's and vLLM's schema: boolean or null, default false
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    return RequestHead(body, stream, served_route(body, models) if models else None)
+
+
+def head_info(
+    path: str,
+    head: RequestHead,
+    headers: Mapping[str, str],
+    request_id: str,
+    now: float,
+    settings: Settings,
+) -> RequestInfo | None:
+    """The request as far as it is known without its prompt tokens (0 tokens, no blocks),
+    for a decision that needs none (``Conductor.reject_hopeless``); None when the prompt
+    field is missing or a header is invalid: ``parse_prompt`` then answers the error, in
+    ``parse_request``'s order."""
+    if ("messages" if path == CHAT else "prompt") not in head.body:
+        return None
+    priority = headers.get("x-kvgate-priority")
+    if priority is not None and priority not in {p.name for p in settings.slo.priorities}:
+        return None
+    try:
+        ttft, tbt = _header_ms(headers, "x-slo-ttft-ms"), _header_ms(headers, "x-slo-tbt-ms")
+    except BadRequest:
+        return None
+    return RequestInfo(
+        request_id=request_id,
+        prompt_tokens=0,
+        block_hashes=(),
+        max_tokens=settings.predictors.default_output_tokens,
+        arrival_s=now,
+        priority=priority,
+        slo_ttft_s=ttft,
+        slo_tbt_s=tbt,
+        model=head.route.name if head.route is not None else None,
+    )
+
+
 def parse_request(
     path: str,
     raw: bytes,
@@ -147,23 +209,29 @@ def parse_request(
     """``headers`` keys are lower-case. With ``models`` (config ``models``: name or alias ->
     route) the body's ``model`` picks the encoder and key space, and the request is placed
     only on that model's instances."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("request body is not valid JSON") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    stream = body.get("stream")
-    if stream is None:  # OpenAI's and vLLM's schema: boolean or null, default false
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
-    model = None
-    if models:
-        route = served_route(body, models)
-        encoder, hasher, model = route.encoder, route.hasher, route.name
+    head = parse_head(raw, models)
+    return parse_prompt(
+        path, head, headers, request_id, now, settings=settings, encoder=encoder, hasher=hasher
+    )
+
+
+def parse_prompt(
+    path: str,
+    head: RequestHead,
+    headers: Mapping[str, str],
+    request_id: str,
+    now: float,
+    *,
+    settings: Settings,
+    encoder: PromptEncoder,
+    hasher: BlockHasher,
+) -> ParsedRequest:
+    """The rest of ``parse_request`` after ``parse_head``: the prompt's tokens and blocks,
+    max tokens, priority and SLO headers. The head's model route, if any, picks the encoder
+    and key space over ``encoder`` and ``hasher``."""
+    body, model = head.body, None
+    if head.route is not None:
+        encoder, hasher, model = head.route.encoder, head.route.hasher, head.route.name
     blocks, tokens = prompt_blocks(path, body, encoder, hasher)
     n_tokens = tokens.n_tokens
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
@@ -187,4 +255,4 @@ def parse_request(
         output_key=blocks[0] if blocks else None,
         model=model,
     )
-    return ParsedRequest(info, body, stream, tokens, encoder.exact)
+    return ParsedRequest(info, body, head.stream, tokens, encoder.exact)

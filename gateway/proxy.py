@@ -8,6 +8,10 @@ With tracing off no span objects are made at all. What happens is reported back 
 Conductor: dispatched, prefill done, first token, tokens, finished, failed (including a client
 that went away, which also aborts the engine legs).
 
+Under overload a request whose best case already misses its TTFT SLO is rejected right after
+its JSON is parsed, before its prompt is tokenized and hashed (``_hopeless``; the rule is in
+routing/hopeless.py): most of a rejection's cost was that prompt work.
+
 Failures: a leg that could not connect is retried once elsewhere (never on the instance that
 just failed); an engine that took the request and then went silent is aborted after
 ``Gateway.silence_timeout`` and not retried (the time is spent): 504, or an SSE error event
@@ -27,15 +31,22 @@ from backends.legs import Failure
 from gateway.answers import (
     Scope,
     decision_headers,
-    is_openai_error,
+    end_aborted,
     new_request_id,
     read_body,
     rejection_response,
     send_json,
+    send_upstream_error,
     usable_request_id,
 )
 from gateway.learning import DecisionRecord
-from gateway.openai import BadRequest, ParsedRequest, error_body
+from gateway.openai import (
+    BadRequest,
+    ParsedRequest,
+    RequestHead,
+    error_body,
+    head_info,
+)
 from gateway.relay import (
     ClientWatch,
     Receive,
@@ -45,12 +56,11 @@ from gateway.relay import (
     relay_stream,
     send_stream_error,
     shutting_down_body,
-    upstream_failure,
     usage_tokens,
 )
 from gateway.runtime import Gateway
 from gateway.tenants import Refusal, TenantGate
-from routing.types import Decision, Rejection
+from routing.types import Decision, Rejection, RequestInfo
 
 
 class CompletionHandler:
@@ -65,11 +75,18 @@ class CompletionHandler:
         self._upstream_error = requests.labels("upstream_error")
         self._disconnected = requests.labels("client_disconnected")
 
-    def _count(self, outcome_counter: Any, parsed: ParsedRequest, outcome: str) -> None:
+    def _count(self, outcome_counter: Any, info: RequestInfo, outcome: str) -> None:
         outcome_counter.inc()
-        self.tenants.count(parsed.info.request_id, outcome)
-        if parsed.info.model is not None:  # config ``models``: per-model series too
-            self.gw.metrics.model_requests.labels(parsed.info.model, outcome).inc()
+        self.tenants.count(info.request_id, outcome)
+        if info.model is not None:  # config ``models``: per-model series too
+            self.gw.metrics.model_requests.labels(info.model, outcome).inc()
+
+    async def _reject(self, send: Send, rej: Rejection, decision_s: float, info: RequestInfo):
+        """A rejection's answer and metrics (the full decision's or the hopeless check's)."""
+        self.gw.metrics.decision.observe(decision_s)
+        self.gw.metrics.rejections.labels(rej.reason.value, rej.priority or "").inc()
+        self._count(self._rejected, info, "rejected")
+        await send_json(send, *rejection_response(rej, info.request_id))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
@@ -86,9 +103,15 @@ class CompletionHandler:
         if isinstance(tenant, Refusal):
             await tenant.answer(send, request_id)
             return
+        path = scope["path"]
         try:
             raw = await read_body(receive, gw.settings.server.max_body_bytes)
-            parsed = gw.parse(scope["path"], raw, headers, request_id)
+            head = gw.parse_head(raw)
+            if not self.tenants.enabled and await self._hopeless(
+                path, head, headers, request_id, send
+            ):
+                return
+            parsed = gw.parse_prompt(path, head, headers, request_id)
         except ConnectionResetError:
             return
         except BadRequest as exc:
@@ -105,17 +128,31 @@ class CompletionHandler:
         gw.drain.enter()
         try:
             if not gw.tracing.enabled:  # no span machinery at all, not even no-op spans
-                await self._serve(parsed, scope["path"], raw, receive, send)
+                await self._serve(parsed, path, raw, receive, send)
                 return
             tracer = gw.tracing.tracer
             with tracer.start_as_current_span(
                 "kvgate.request", context=gw.tracing.extract(headers)
             ) as span:
                 span.set_attribute("kvgate.request_id", request_id)
-                await self._serve(parsed, scope["path"], raw, receive, send)
+                await self._serve(parsed, path, raw, receive, send)
         finally:
             gw.drain.leave(request_id)
             self.tenants.leave(request_id)
+
+    async def _hopeless(
+        self, path: str, head: RequestHead, headers: dict[str, str], request_id: str, send: Send
+    ) -> bool:
+        """Rejects the request before its prompt is tokenized and hashed when even the best
+        case misses its TTFT SLO (routing/hopeless.py), as ``schedule`` would; True if it
+        answered. Not with tenants on: their buckets and shares need the prompt's tokens."""
+        t0, now = time.perf_counter(), self.gw.clock()
+        info = head_info(path, head, headers, request_id, now, self.gw.settings)
+        rej = self.gw.conductor.reject_hopeless(info, now) if info is not None else None
+        if info is None or rej is None:
+            return False
+        await self._reject(send, rej, time.perf_counter() - t0, info)
+        return True
 
     def _decide(
         self, parsed: ParsedRequest, exclude: frozenset[str]
@@ -168,14 +205,11 @@ class CompletionHandler:
             decision, decision_s = self._decide(parsed, failed_on)
             if isinstance(decision, Rejection) and last_error is not None:
                 # Nowhere else to retry: the client hears what went wrong, not "no capacity".
-                self._count(self._upstream_error, parsed, "upstream_error")
-                await self._send_upstream_error(send, last_error, rid)
+                self._count(self._upstream_error, parsed.info, "upstream_error")
+                await send_upstream_error(send, last_error, rid)
                 return
             if isinstance(decision, Rejection):
-                gw.metrics.decision.observe(decision_s)
-                gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
-                self._count(self._rejected, parsed, "rejected")
-                await send_json(send, *rejection_response(decision, rid))
+                await self._reject(send, decision, decision_s, parsed.info)
                 return
             if decision.replications:  # a warm-up copy sends this prompt's prefix tokens
                 gw.replicator.remember_prompt(path, parsed)
@@ -210,8 +244,8 @@ class CompletionHandler:
                     last_error = exc
                     gw.metrics.retries.inc()
                     continue
-                self._count(self._upstream_error, parsed, "upstream_error")
-                await self._send_upstream_error(send, exc, rid)
+                self._count(self._upstream_error, parsed.info, "upstream_error")
+                await send_upstream_error(send, exc, rid)
                 return
             failed = await self._relay(
                 parsed, upstream, decision, record, receive, send, may_retry=retries > 0
@@ -262,20 +296,6 @@ class CompletionHandler:
             upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
         gw.leg_succeeded(d.prefill)
         return upstream
-
-    async def _send_upstream_error(self, send: Send, exc: UpstreamError, rid: str) -> None:
-        if exc.status is not None and exc.body:
-            # An engine's own error (e.g. 400 for a bad parameter, 503 from a full decode
-            # instance) is passed through as the engine said it, if it is an OpenAI error;
-            # anything else (a plain-text 400 from its HTTP parser) is wrapped in one.
-            body = exc.body if is_openai_error(exc.body) else None
-            if body is None:
-                text = exc.body[:300].decode("utf-8", "replace")
-                kind = "invalid_request_error" if exc.status < 500 else "upstream_error"
-                body = error_body(f"engine {exc.instance_id}: {text}", kind)
-            await send_json(send, exc.status, body, [(b"x-request-id", rid.encode())])
-            return
-        await send_json(send, *upstream_failure(exc), [(b"x-request-id", rid.encode())])
 
     async def _relay(
         self,
@@ -329,44 +349,36 @@ class CompletionHandler:
             gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
             gw.conductor.finished(rid, now, output_tokens=tokens or None)
             record.outcome = "completed"
-            self._count(self._completed, parsed, "completed")
+            self._count(self._completed, parsed.info, "completed")
             self._learn(d, record)
         except (UpstreamError, OSError, asyncio.CancelledError) as exc:
             upstream.close()
             gw.conductor.failed(rid, gw.clock())
             if watch.disconnected:
                 record.outcome = "client_disconnected"
-                self._count(self._disconnected, parsed, "client_disconnected")
+                self._count(self._disconnected, parsed.info, "client_disconnected")
             elif rid in gw.drain.aborted:  # shutting down: not the engine's fault
                 record.outcome = "aborted"
                 gw.metrics.requests.labels("shutting_down").inc()
-                await self._end_aborted(send, parsed.stream, start)
+                await end_aborted(send, parsed.stream, start)
             else:
                 record.outcome = "failed"
                 if isinstance(exc, UpstreamError):
                     gw.leg_failed(exc.instance_id, exc.kind)
                     if may_retry and not start.sent and exc.kind is not Failure.SILENT:
                         return exc
-                self._count(self._upstream_error, parsed, "upstream_error")
+                self._count(self._upstream_error, parsed.info, "upstream_error")
                 if isinstance(exc, UpstreamError):
                     if start.sent:
                         await send_stream_error(send, parsed.stream, exc)
                     else:
-                        await self._send_upstream_error(send, exc, rid)
+                        await send_upstream_error(send, exc, rid)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
             watch.stop()
             gw.unpin_slot(rid)
         return None
-
-    async def _end_aborted(self, send: Send, stream: bool, start: ResponseStart) -> None:
-        """The drain cut this answer: a clean end for the client, whatever was sent."""
-        if start.sent:
-            await send_stream_error(send, stream, None)
-            return
-        with contextlib.suppress(OSError):
-            await send_json(send, 503, shutting_down_body(), [(b"retry-after", b"1")])
 
     def _learn(self, d: Decision, rec: DecisionRecord) -> None:
         gw = self.gw

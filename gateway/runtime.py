@@ -40,7 +40,7 @@ from gateway.kv_feeds import KvEventFeeds
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, ServedModels, build_model_routes
-from gateway.openai import ParsedRequest, parse_request
+from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replicator import EngineView, Replicator
 from gateway.tracing import Tracing
@@ -204,16 +204,26 @@ class Gateway:
     ) -> ParsedRequest:
         """A completion request as the core needs it, with this gateway's settings, encoder,
         key space and models (serve and epp alike); raises BadRequest."""
-        return parse_request(
+        return self.parse_prompt(path, self.parse_head(raw), headers, request_id)
+
+    def parse_head(self, raw: bytes) -> RequestHead:
+        """The body's JSON, ``stream`` and served model, before any prompt work (the proxy's
+        hopeless check needs no more); raises BadRequest."""
+        return parse_head(raw, self.model_routes)
+
+    def parse_prompt(
+        self, path: str, head: RequestHead, headers: Mapping[str, str], request_id: str
+    ) -> ParsedRequest:
+        """The rest of ``parse``: the prompt encoded and hashed in its model's key space."""
+        return parse_prompt(
             path,
-            raw,
+            head,
             headers,
             request_id,
             self.clock(),
             settings=self.settings,
             encoder=self.prompt_encoder,
             hasher=self.hasher,
-            models=self.model_routes,
         )
 
     def silence_timeout(self, d: Decision, whole_answer_tokens: int = 0) -> float:

@@ -254,7 +254,8 @@ class TenantGate:
     def screen(self, d: Decision, info: RequestInfo, now: float) -> Decision | Rejection:
         """The decision, or a rejection when its tenant is over its share and the decision
         leaves less than ``over_share_headroom`` of the SLO unused. Called before the
-        decision is booked (its replication commands are released if it is turned away)."""
+        decision is booked; one turned away is withdrawn from the Conductor (its replication
+        commands released, counted in its rejection stats)."""
         tenant = self._of.get(d.request_id)
         if tenant is None:
             return d
@@ -268,8 +269,8 @@ class TenantGate:
             else None
         )
         if rejection is not None and self.share.over_share(tenant, 0.0, self._weights, now):
-            for cmd in d.replications:
-                self.gw.conductor.replication_dropped(cmd.command_id)
+            # Counted by the Conductor as a rejection (admin, capacity signal), not a decision.
+            self.gw.conductor.withdraw(d, rejection)
             st.series.over_share.inc()
             st.over_share_rejections += 1
             return rejection

@@ -1,9 +1,11 @@
 """The Conductor: one pure, deterministic decision core for the gateway and the simulator.
 
 ``schedule(request, now)`` returns a ``Decision`` (prefill and decode instance, predictions,
-replication commands) or a ``Rejection``; it does not change the books. ``dispatched`` commits a
-decision; the event methods (prefill_done, first_token, tokens, finished, failed, kv_event,
-replication_done, instance add/drain/remove/health) keep the books true to what happened.
+replication commands) or a ``Rejection``; it does not change the books. ``reject_hopeless``
+answers the rejections that need no prompt tokens (routing/hopeless.py). ``dispatched`` commits
+a decision; the event methods (the request's progress in routing/request_progress.py, and
+kv_event, replication_done, instance add/drain/remove/health here) keep the books true to what
+happened. The eligible pools per model live in routing/fleet_pools.py.
 Time is always an argument; nothing here does I/O or reads a clock.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from config.settings import AdmissionMode, InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
@@ -23,15 +25,17 @@ from routing.admission import (
     resolve_slo,
     unavailable_rejection,
 )
-from routing.cache_feedback import CacheFeedback, assess
-from routing.cluster import DecodeWork, InstanceState
+from routing.cluster import InstanceState
 from routing.conditional_disagg import local_prefill
 from routing.decode_placement import place_decode
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
+from routing.fleet_pools import FleetPools, ModelPools
+from routing.hopeless import hopeless_rejection
 from routing.hotspot import HotspotPlanner
 from routing.kv_index import KVIndex
 from routing.policies.base import PlacementContext, Policy
 from routing.policies.registry import build_policy
+from routing.request_progress import RequestProgress, RequestRecord
 from routing.types import (
     BlockRemoved,
     BlockStored,
@@ -46,28 +50,10 @@ from routing.types import (
 )
 
 PredictorFactory = Callable[[str | None], InstancePredictors]
+__all__ = ["Conductor", "PredictorFactory", "RequestRecord"]
 
 
-@dataclass(slots=True)
-class _ModelPools:
-    prefill: list[InstanceState] = field(default_factory=list)
-    decode: list[InstanceState] = field(default_factory=list)
-    has_decode_pool: bool = False
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    request: RequestInfo
-    decision: Decision
-    dispatched_s: float
-    pull_bytes: float = 0.0
-    prefill_done_s: float | None = None
-    first_token_s: float | None = None
-    tokens: int = 0
-    routed: tuple[int, ...] = ()  # blocks the route added to the prefill instance's view
-
-
-class Conductor:
+class Conductor(RequestProgress):
     def __init__(
         self,
         settings: Settings,
@@ -88,8 +74,7 @@ class Conductor:
         self._event_fed: set[str] = set()  # instances whose engine sends KV events
         self.stats = DecisionStats()
         self._order = 0
-        self._prefill: list[InstanceState] = []
-        self._decode: list[InstanceState] = []
+        self.pools = FleetPools()
         self._last_now = 0.0  # the latest time seen, for fleet changes made without one
         self.apply_settings(settings)
         for inst in settings.instances():
@@ -185,20 +170,8 @@ class Conductor:
     def _refresh_pools(self, now: float | None = None) -> None:
         if now is not None:
             self._last_now = max(self._last_now, now)
-        ordered = sorted(self.instances.values(), key=lambda i: i.bit_order)
-        self._prefill = [i for i in ordered if i.eligible and i.does_prefill]
-        self._decode = [i for i in ordered if i.eligible and i.role is Role.DECODE]
-        self._has_decode_pool = any(i.role is Role.DECODE for i in ordered)
-        # Per served model: a request is only ever placed on its own model's instances.
-        self._by_model: dict[str | None, _ModelPools] = {}
-        for inst in ordered:
-            pools = self._by_model.setdefault(inst.model, _ModelPools())
-            pools.has_decode_pool |= inst.role is Role.DECODE
-            if inst.eligible and inst.does_prefill:
-                pools.prefill.append(inst)
-            elif inst.eligible and inst.role is Role.DECODE:
-                pools.decode.append(inst)
-        both = [i for i in self._prefill if i.role is Role.BOTH]
+        self.pools.refresh(self.instances.values())
+        both = [i for i in self.pools.fleet.prefill if i.role is Role.BOTH]
         self.policy.on_fleet_change(both, self._last_now)
 
     # ------------------------------------------------------------------ decisions
@@ -209,12 +182,9 @@ class Conductor:
         just failed it), or reject it."""
         self._last_now = max(self._last_now, now)
         slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
-        prefill_pool, decode_pool = self._prefill, self._decode
-        has_decode_pool = self._has_decode_pool
-        if req.model is not None and self.settings.models:
-            pools = self._by_model.get(req.model) or _ModelPools()
-            prefill_pool, decode_pool = pools.prefill, pools.decode
-            has_decode_pool = pools.has_decode_pool
+        pools = self._pools_for(req)
+        prefill_pool, decode_pool = pools.prefill, pools.decode
+        has_decode_pool = pools.has_decode_pool
         if exclude:
             prefill_pool = [i for i in prefill_pool if i.id not in exclude]
             decode_pool = [i for i in decode_pool if i.id not in exclude]
@@ -322,111 +292,38 @@ class Conductor:
         key = rej.reason.value
         self.stats.rejections[key] = self.stats.rejections.get(key, 0) + 1
 
+    def _pools_for(self, req: RequestInfo) -> ModelPools:
+        return self.pools.for_model(req.model if self.settings.models else None)
+
+    def reject_hopeless(self, req: RequestInfo, now: float) -> Rejection | None:
+        """Before the prompt is tokenized: the ``ttft_slo`` rejection that ``schedule`` would
+        also give, when even the shortest queue wait misses the TTFT SLO (routing/hopeless.py);
+        counted like any rejection. ``req`` needs only its id, model, priority and SLO
+        overrides; None means: tokenize and ``schedule`` as usual."""
+        self._last_now = max(self._last_now, now)
+        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
+        pools = self._pools_for(req)
+        if not pools.prefill or (pools.has_decode_pool and not pools.decode):
+            return None  # schedule answers no_healthy_* (503), not a TTFT rejection
+        candidates = pools.prefill
+        if self.settings.routing.conditional_disagg:  # a decode instance may prefill too
+            candidates = [*candidates, *pools.decode]
+        rej = hopeless_rejection(req.request_id, candidates, slo, self.settings.admission, now)
+        if rej is not None:
+            self._count_rejection(rej)
+        return rej
+
+    def withdraw(self, decision: Decision, rejection: Rejection) -> None:
+        """A decision ``schedule`` made but the gateway turned away before ``dispatched`` (a
+        tenant over its fair share): it counts as this rejection, not as a decision, and its
+        replication commands release their in-flight slots."""
+        for cmd in decision.replications:
+            self.planner.drop(cmd.command_id)
+        self.stats.replications -= len(decision.replications)
+        self.stats.decisions -= 1
+        self._count_rejection(rejection)
+
     # ------------------------------------------------------------------ events
-    def dispatched(self, decision: Decision, req: RequestInfo, now: float) -> None:
-        prefill = self.instances[decision.prefill]
-        decode = self.instances[decision.decode]
-        record = RequestRecord(req, decision, now)
-        ready = now + decision.predicted_transfer_s
-        if decision.pull_source not in (None, STORE_SOURCE):
-            record.pull_bytes = prefill.predictors.link.bytes_for(decision.cached_tokens)
-            prefill.inbound_bytes += record.pull_bytes
-            self.stats.transfers += 1
-        work = prefill.enqueue_prefill(
-            req.request_id,
-            decision.predicted_prefill_s + decision.predicted_load_s,
-            req.prompt_tokens,
-            now,
-            ready,
-        )
-        arrival = work.est_finish_s
-        if decode is not prefill:
-            arrival += decode.predictors.link.time(req.prompt_tokens)
-        decode.add_incoming(
-            DecodeWork(req.request_id, req.prompt_tokens, decision.predicted_output_tokens, arrival)
-        )
-        record.routed = self.index.record_route(prefill.id, req.block_hashes, now)
-        self.requests[req.request_id] = record
-
-    def prefill_done(self, request_id: str, now: float) -> None:
-        rec = self.requests.get(request_id)
-        if rec is None or rec.prefill_done_s is not None:
-            return
-        rec.prefill_done_s = now
-        prefill = self.instances.get(rec.decision.prefill)
-        if prefill is not None:
-            prefill.finish_prefill(request_id, now)
-            prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
-        decode = self.instances.get(rec.decision.decode)
-        if decode is not None:
-            decode.start_decode(request_id, now)
-
-    def first_token(self, request_id: str, now: float) -> float | None:
-        """Returns the observed TTFT (from dispatch)."""
-        rec = self.requests.get(request_id)
-        if rec is None:
-            return None
-        self.prefill_done(request_id, now)
-        if rec.first_token_s is None:
-            rec.first_token_s = now
-        return rec.first_token_s - rec.dispatched_s
-
-    def tokens(self, request_id: str, n: int, now: float) -> None:
-        rec = self.requests.get(request_id)
-        if rec is None:
-            return
-        rec.tokens += n
-        decode = self.instances.get(rec.decision.decode)
-        if decode is not None:
-            decode.add_tokens(request_id, n, now)
-
-    def finished(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
-        rec = self._drop(request_id, now)
-        if rec is not None:
-            out = output_tokens if output_tokens is not None else rec.tokens
-            if out > 0:
-                self.output_lengths.observe(rec.request.output_key, out)
-
-    def failed(self, request_id: str, now: float) -> None:
-        rec = self._drop(request_id, now)
-        if rec is not None and rec.prefill_done_s is None and rec.routed:
-            # Refused or lost before its prefill finished: the engine never cached the prompt.
-            self.index.forget_route(rec.decision.prefill, rec.routed)
-
-    def cache_feedback(
-        self,
-        request_id: str,
-        now: float,
-        engine_cached_tokens: int | None = None,
-        engine_prompt_tokens: int | None = None,
-    ) -> CacheFeedback | None:
-        """The engine answered (call before ``finished``): its prefill instance now caches the
-        prompt's full blocks. With the engine's report of the cached prompt tokens (and its
-        prompt length, to scale its tokens to kvgate's), blocks the view believed cached but
-        the engine had evicted also evict what was used less recently (``KVIndex.settle``);
-        not on instances that send KV events (those report evictions themselves), nor for a
-        P/D pair (the answer's report is the decode engine's)."""
-        rec = self.requests.get(request_id)
-        if rec is None:
-            return None
-        d, req = rec.decision, rec.request
-        own_report = d.prefill == d.decode and d.pull_source is None
-        fb = assess(
-            d.prefill,
-            req.prompt_tokens,
-            d.cached_tokens,
-            engine_cached_tokens if own_report else None,
-            engine_prompt_tokens,
-            self.block_size,
-        )
-        if d.prefill in self._event_fed:
-            self.index.settle(d.prefill, req.block_hashes, 0, now)
-        else:
-            fb.dropped_blocks = self.index.settle(
-                d.prefill, req.block_hashes, fb.missed_blocks, now, fb.extra_blocks
-            )
-        return fb
-
     def set_capacity(self, instance_id: str, capacity_tokens: int) -> None:
         """The engine reported its KV capacity (tokens): it replaces the profile's."""
         inst = self.instances.get(instance_id)
@@ -435,19 +332,6 @@ class Conductor:
         inst.capacity_tokens = capacity_tokens
         if instance_id in self.index:
             self.index.set_capacity(instance_id, max(capacity_tokens // self.block_size, 1))
-
-    def _drop(self, request_id: str, now: float) -> RequestRecord | None:
-        rec = self.requests.pop(request_id, None)
-        if rec is None:
-            return None
-        prefill = self.instances.get(rec.decision.prefill)
-        if prefill is not None and request_id in prefill.prefill_queue:
-            prefill.finish_prefill(request_id, now)
-            prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
-        decode = self.instances.get(rec.decision.decode)
-        if decode is not None:
-            decode.remove_decode(request_id, now)
-        return rec
 
     def kv_event(self, instance_id: str, event: KVEvent, now: float) -> None:
         self._event_fed.add(instance_id)

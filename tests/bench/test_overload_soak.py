@@ -25,9 +25,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_overload_smoke(fleet: EmulatedFleet) -> None:
-    args = parse_args(["overload", *TINY, "--seconds", "3"])
+    args = parse_args(["overload", *TINY, "--seconds", "3", "--reject-probe"])
     rep = asyncio.run(run_mode(fleet, args))
     one, three = rep["phases"]
+    # The probe's 4k-token requests with a 1 ms TTFT SLO are all rejected, by either path.
+    for phase in (one, three):
+        pr = phase["reject_probe_ms"]
+        assert pr["sent"] >= 5 and pr["rejected"] == pr["sent"], pr
+        assert pr["hopeless"]["n"] + pr["full"]["n"] == pr["rejected"]
+        assert 0 < pr["all"]["p50"] <= pr["all"]["p99"]
     assert (one["phase"], three["phase"]) == ("1x", "3x")
     assert three["rate_rps"] == pytest.approx(3 * one["rate_rps"])
     assert one["requests"] > 0 and three["requests"] > one["requests"]

@@ -285,6 +285,8 @@ def test_fair_share_sheds_the_over_share_tenant_first(keys_file: Path, clock: Fa
     assert isinstance(out, Rejection)
     assert out.reason.value == "ttft_slo" and "fair share" in out.message
     assert out.limit_s == pytest.approx(0.5)
+    # Counted in the Conductor's rejection stats (/admin/state) like any rejection.
+    assert app.gateway.conductor.stats.rejections == {"ttft_slo": 1}
     assert isinstance(gate.screen(_decision("b0", 0.8), _info("b0"), now), Decision)
     # Below the tightened limit a is still served: sharing never idles the fleet.
     assert gate.admit("a", "a6", _info("a6"), now) is None

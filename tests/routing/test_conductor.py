@@ -296,3 +296,20 @@ def test_live_settings_change_applies_without_rebuilding_state() -> None:
     )
     assert isinstance(decide(c, "b", prompt(1, 8))[1], Rejection)
     assert c.instances["p0"].queue_time(0.0) == pytest.approx(40.0)
+
+
+def test_a_withdrawn_decision_counts_as_a_rejection_and_releases_its_copies() -> None:
+    # The pull scenario above: the decision carries a reactive replication command.
+    c = make_conductor()
+    hold(c, "p0", prompt(7, 200))
+    busy(c, "p0", 5.0)
+    busy(c, "p2", 5.0)
+    _, d = decide(c, "r", prompt(7, 256))
+    assert isinstance(d, Decision) and d.replications
+    assert c.stats.decisions == 1 and c.planner.in_flight
+    turned_away = Rejection("r", RejectReason.TTFT_SLO, "over its fair share", 1.0)
+    c.withdraw(d, turned_away)
+    assert c.stats.decisions == 0 and c.stats.replications == 0
+    assert c.stats.rejections == {"ttft_slo": 1}
+    assert not c.planner.in_flight  # the copy's in-flight slot is free again
+    assert c.requests == {}

@@ -1,0 +1,159 @@
+"""The Conductor's books of placed requests: what happened to each one after its decision.
+
+``dispatched`` commits a decision (the prefill queue, the decode instance's incoming work, the
+prompt's route in the KV index); ``prefill_done``, ``first_token``, ``tokens``, ``finished``,
+``failed`` and ``cache_feedback`` keep the books true to what the engines did. A mixin of the
+Conductor (routing/conductor.py), which owns the state named below; time is an argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from predictors.output_length import OutputLengthPredictor
+from routing.cache_feedback import CacheFeedback, assess
+from routing.cluster import DecodeWork, InstanceState
+from routing.estimates import STORE_SOURCE
+from routing.kv_index import KVIndex
+from routing.types import Decision, DecisionStats, RequestInfo
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request: RequestInfo
+    decision: Decision
+    dispatched_s: float
+    pull_bytes: float = 0.0
+    prefill_done_s: float | None = None
+    first_token_s: float | None = None
+    tokens: int = 0
+    routed: tuple[int, ...] = ()  # blocks the route added to the prefill instance's view
+
+
+class RequestProgress:
+    """Progress callbacks over the Conductor's state (declared here for the type checker)."""
+
+    block_size: int
+    instances: dict[str, InstanceState]
+    index: KVIndex
+    output_lengths: OutputLengthPredictor
+    requests: dict[str, RequestRecord]
+    stats: DecisionStats
+    _event_fed: set[str]
+
+    def dispatched(self, decision: Decision, req: RequestInfo, now: float) -> None:
+        prefill = self.instances[decision.prefill]
+        decode = self.instances[decision.decode]
+        record = RequestRecord(req, decision, now)
+        ready = now + decision.predicted_transfer_s
+        if decision.pull_source not in (None, STORE_SOURCE):
+            record.pull_bytes = prefill.predictors.link.bytes_for(decision.cached_tokens)
+            prefill.inbound_bytes += record.pull_bytes
+            self.stats.transfers += 1
+        work = prefill.enqueue_prefill(
+            req.request_id,
+            decision.predicted_prefill_s + decision.predicted_load_s,
+            req.prompt_tokens,
+            now,
+            ready,
+        )
+        arrival = work.est_finish_s
+        if decode is not prefill:
+            arrival += decode.predictors.link.time(req.prompt_tokens)
+        decode.add_incoming(
+            DecodeWork(req.request_id, req.prompt_tokens, decision.predicted_output_tokens, arrival)
+        )
+        record.routed = self.index.record_route(prefill.id, req.block_hashes, now)
+        self.requests[req.request_id] = record
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        rec = self.requests.get(request_id)
+        if rec is None or rec.prefill_done_s is not None:
+            return
+        rec.prefill_done_s = now
+        prefill = self.instances.get(rec.decision.prefill)
+        if prefill is not None:
+            prefill.finish_prefill(request_id, now)
+            prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
+        decode = self.instances.get(rec.decision.decode)
+        if decode is not None:
+            decode.start_decode(request_id, now)
+
+    def first_token(self, request_id: str, now: float) -> float | None:
+        """Returns the observed TTFT (from dispatch)."""
+        rec = self.requests.get(request_id)
+        if rec is None:
+            return None
+        self.prefill_done(request_id, now)
+        if rec.first_token_s is None:
+            rec.first_token_s = now
+        return rec.first_token_s - rec.dispatched_s
+
+    def tokens(self, request_id: str, n: int, now: float) -> None:
+        rec = self.requests.get(request_id)
+        if rec is None:
+            return
+        rec.tokens += n
+        decode = self.instances.get(rec.decision.decode)
+        if decode is not None:
+            decode.add_tokens(request_id, n, now)
+
+    def finished(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
+        rec = self._drop(request_id, now)
+        if rec is not None:
+            out = output_tokens if output_tokens is not None else rec.tokens
+            if out > 0:
+                self.output_lengths.observe(rec.request.output_key, out)
+
+    def failed(self, request_id: str, now: float) -> None:
+        rec = self._drop(request_id, now)
+        if rec is not None and rec.prefill_done_s is None and rec.routed:
+            # Refused or lost before its prefill finished: the engine never cached the prompt.
+            self.index.forget_route(rec.decision.prefill, rec.routed)
+
+    def cache_feedback(
+        self,
+        request_id: str,
+        now: float,
+        engine_cached_tokens: int | None = None,
+        engine_prompt_tokens: int | None = None,
+    ) -> CacheFeedback | None:
+        """The engine answered (call before ``finished``): its prefill instance now caches the
+        prompt's full blocks. With the engine's report of the cached prompt tokens (and its
+        prompt length, to scale its tokens to kvgate's), blocks the view believed cached but
+        the engine had evicted also evict what was used less recently (``KVIndex.settle``);
+        not on instances that send KV events (those report evictions themselves), nor for a
+        P/D pair (the answer's report is the decode engine's)."""
+        rec = self.requests.get(request_id)
+        if rec is None:
+            return None
+        d, req = rec.decision, rec.request
+        own_report = d.prefill == d.decode and d.pull_source is None
+        fb = assess(
+            d.prefill,
+            req.prompt_tokens,
+            d.cached_tokens,
+            engine_cached_tokens if own_report else None,
+            engine_prompt_tokens,
+            self.block_size,
+        )
+        if d.prefill in self._event_fed:
+            self.index.settle(d.prefill, req.block_hashes, 0, now)
+        else:
+            fb.dropped_blocks = self.index.settle(
+                d.prefill, req.block_hashes, fb.missed_blocks, now, fb.extra_blocks
+            )
+        return fb
+
+    def _drop(self, request_id: str, now: float) -> RequestRecord | None:
+        rec = self.requests.pop(request_id, None)
+        if rec is None:
+            return None
+        prefill = self.instances.get(rec.decision.prefill)
+        if prefill is not None and request_id in prefill.prefill_queue:
+            prefill.finish_prefill(request_id, now)
+            prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
+        decode = self.instances.get(rec.decision.decode)
+        if decode is not None:
+            decode.remove_decode(request_id, now)
+        return rec

@@ -1,0 +1,30 @@
+"""The eligible pools per model, rebuilt on fleet changes."""
+
+from __future__ import annotations
+
+from routing.fleet_pools import FleetPools
+from tests.routing.fleet import make_conductor
+
+
+def test_pools_follow_health_and_drain_in_registration_order() -> None:
+    c = make_conductor(prefill=3, decode=2)
+    pools = c.pools.for_model(None)
+    assert [i.id for i in pools.prefill] == ["p0", "p1", "p2"]
+    assert [i.id for i in pools.decode] == ["d0", "d1"] and pools.has_decode_pool
+    c.set_health("p1", False)
+    c.drain_instance("d0")
+    pools = c.pools.for_model(None)
+    assert [i.id for i in pools.prefill] == ["p0", "p2"]
+    assert [i.id for i in pools.decode] == ["d1"]
+    c.drain_instance("d1")
+    # No eligible decode instance left, but a decode pool exists: not a colocated fleet.
+    assert c.pools.for_model(None).decode == [] and c.pools.for_model(None).has_decode_pool
+
+
+def test_colocated_fleet_and_unknown_model() -> None:
+    c = make_conductor(prefill=0, decode=0, colocated=2)
+    pools = c.pools.for_model(None)
+    assert [i.id for i in pools.prefill] == ["c0", "c1"] and not pools.has_decode_pool
+    # Instances without a model are filed under None; a named model with none is empty.
+    assert c.pools.for_model("other").prefill == []
+    assert FleetPools().for_model(None).prefill == []
