@@ -16,7 +16,7 @@ import asyncio
 import statistics
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -193,30 +193,17 @@ class Learner:
             self._used[profile] = self._samples[profile].total
             if len(samples) >= self.min_samples:
                 model, report = await loop.run_in_executor(None, _train, samples)
-                self._swap(profile, model.compiled)
+                self.conductor.swap_prefill_model(profile, model.compiled)
                 self.last_refit_mape_pct = report.mape_compiled_pct
                 self.last_refit_kind = "lightgbm"
             else:
                 prefill, mape = await loop.run_in_executor(None, fit_analytic_prefill, samples)
-                self._swap(profile, prefill)
+                self.conductor.swap_prefill_model(profile, prefill)
                 self.last_refit_mape_pct = mape  # in-sample: too few rows to hold some out
                 self.last_refit_kind = "analytic"
             self.refits += 1
             swapped += 1
         return swapped
-
-    def _swap(self, profile: str | None, prefill_model: object) -> None:
-        """Atomic from the event loop's point of view: one reference per instance changes."""
-        c = self.conductor
-        cache: dict[int, object] = {}
-        for inst in c.instances.values():
-            spec_profile = inst.predictors.profile.name
-            if profile is not None and spec_profile != profile:
-                continue
-            key = id(inst.predictors)
-            if key not in cache:
-                cache[key] = replace(inst.predictors, prefill=prefill_model)
-            inst.predictors = cache[key]  # type: ignore[assignment]
 
 
 def fit_analytic_prefill(samples: PrefillSamples) -> tuple[AnalyticPrefill, float]:

@@ -324,6 +324,22 @@ class Conductor(RequestProgress):
         self._count_rejection(rejection)
 
     # ------------------------------------------------------------------ events
+    def swap_prefill_model(self, profile: str | None, prefill_model: object) -> int:
+        """A refit prefill model for every instance of ``profile`` (None: all), swapped in one
+        reference per instance (atomic as the event loop sees it); instances that shared a
+        predictor bundle keep sharing one. Returns how many instances changed."""
+        swapped: dict[int, InstancePredictors] = {}
+        changed = 0
+        for inst in self.instances.values():
+            if profile is not None and inst.predictors.profile.name != profile:
+                continue
+            key = id(inst.predictors)
+            if key not in swapped:
+                swapped[key] = replace(inst.predictors, prefill=prefill_model)  # type: ignore[arg-type]
+            inst.predictors = swapped[key]
+            changed += 1
+        return changed
+
     def set_capacity(self, instance_id: str, capacity_tokens: int) -> None:
         """The engine reported its KV capacity (tokens): it replaces the profile's."""
         inst = self.instances.get(instance_id)

@@ -313,3 +313,18 @@ def test_a_withdrawn_decision_counts_as_a_rejection_and_releases_its_copies() ->
     assert c.stats.rejections == {"ttft_slo": 1}
     assert not c.planner.in_flight  # the copy's in-flight slot is free again
     assert c.requests == {}
+
+
+def test_swap_prefill_model_changes_only_that_profiles_instances() -> None:
+    from predictors.prefill import AnalyticPrefill
+
+    c = make_conductor()
+    before = {iid: inst.predictors for iid, inst in c.instances.items()}
+    model = AnalyticPrefill(fixed_s=0.001, per_token_s=1e-5, knee_tokens=0, attn_s=0.0)
+    assert c.swap_prefill_model("no-such-profile", model) == 0
+    assert {iid: inst.predictors for iid, inst in c.instances.items()} == before
+    profile = next(iter(c.instances.values())).predictors.profile.name
+    assert c.swap_prefill_model(profile, model) == len(c.instances)
+    bundles = {id(inst.predictors) for inst in c.instances.values()}
+    assert all(inst.predictors.prefill is model for inst in c.instances.values())
+    assert len(bundles) <= len({id(b) for b in before.values()})  # shared bundles stay shared
