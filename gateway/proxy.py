@@ -47,6 +47,7 @@ from gateway.openai import (
     error_body,
     head_info,
 )
+from gateway.proxy_deps import ProxyGateway
 from gateway.relay import (
     ClientWatch,
     Receive,
@@ -58,7 +59,6 @@ from gateway.relay import (
     shutting_down_body,
     usage_tokens,
 )
-from gateway.runtime import Gateway
 from gateway.tenants import Refusal, TenantGate
 from routing.types import Decision, Rejection, RequestInfo
 
@@ -66,7 +66,7 @@ from routing.types import Decision, Rejection, RequestInfo
 class CompletionHandler:
     """Handles POST /v1/completions and /v1/chat/completions for one gateway."""
 
-    def __init__(self, gw: Gateway, tenants: TenantGate | None = None) -> None:
+    def __init__(self, gw: ProxyGateway, tenants: TenantGate | None = None) -> None:
         self.gw = gw
         self.tenants = tenants or TenantGate(gw)  # keys, rate limits, fair share (or off)
         requests = gw.metrics.requests

@@ -37,8 +37,8 @@ from routing.types import Decision, Rejection, RejectReason, RequestInfo
 
 if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
+    from gateway.proxy_deps import ProxyGateway
     from gateway.relay import Send
-    from gateway.runtime import Gateway
 
 log = logging.getLogger("kvgate.tenants")
 _SLO_MODES = (AdmissionMode.EARLY, AdmissionMode.PREDICTIVE)
@@ -121,7 +121,7 @@ def _unauthorized(message: str) -> Refusal:
 class TenantGate:
     """The tenant hooks of one gateway's completion handler (all no-ops when off)."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: ProxyGateway) -> None:
         self.gw = gw
         self.share = FairShare()
         self.states: dict[str, TenantState] = {}
