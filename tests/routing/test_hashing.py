@@ -3,7 +3,6 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -186,18 +185,6 @@ def test_trace_ids_to_tokens_share_prefixes() -> None:
     a = h.hash_tokens(prompt([1, 2, 3]))
     b = h.hash_tokens(prompt([1, 2, 9]))
     assert a[:2] == b[:2] and a[2] != b[2]
-
-
-def test_speed_4096_tokens_block16() -> None:
-    h = BlockHasher(16)
-    tokens = list(range(4096))
-    h.hash_tokens(tokens)
-    best = float("inf")
-    for _ in range(20):
-        t0 = time.perf_counter()
-        h.hash_tokens(tokens)
-        best = min(best, time.perf_counter() - t0)
-    assert best < 0.005  # ~0.2 ms measured; generous for slow CI machines
 
 
 @settings(max_examples=50)
