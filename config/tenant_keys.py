@@ -13,6 +13,9 @@ import re
 from collections.abc import Collection
 from pathlib import Path
 
+from config.errors import KvgateError
+from config.settings import TenantsSettings
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -25,7 +28,7 @@ def is_key_hash(text: str) -> bool:
     return _HEX64.fullmatch(text) is not None
 
 
-class KeyFileError(ValueError):
+class KeyFileError(KvgateError, ValueError):
     """A keys file that cannot be read or has a bad line (``line`` 0: the whole file)."""
 
     def __init__(self, path: str, line: int, message: str) -> None:
@@ -65,3 +68,12 @@ def read_key_file(path: str, tenants: Collection[str]) -> dict[str, str]:
     except UnicodeDecodeError:
         raise KeyFileError(path, 0, "not valid UTF-8") from None
     return parse_keys(text, path, tenants)
+
+
+def tenant_keys(cfg: TenantsSettings) -> dict[str, str]:
+    """Key hash -> tenant, from the config's ``key_sha256`` lists and the keys file (read here:
+    call it where file I/O belongs, at start-up or off the event loop on reload)."""
+    keys = {d.lower(): t.name for t in cfg.tenant for d in t.key_sha256}
+    if cfg.keys_file is not None:
+        keys.update(read_key_file(cfg.keys_file, set(cfg.names())))
+    return keys

@@ -38,6 +38,7 @@ class ProxyGateway(Protocol):
     specs: Mapping[str, InstanceSettings]
     driver: ProtocolDriver
     session: aiohttp.ClientSession | None
+    tenant_keys: Mapping[str, str]  # API key hash -> tenant (gateway/tenants.py)
     # learning and replication
     learner: Learner
     replicator: Replicator

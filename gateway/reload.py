@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from config.loader import ConfigError, load_settings, settings_from_dict, settings_to_dict
 from config.settings import Settings
+from config.tenant_keys import tenant_keys
 from routing.policies.registry import PolicyError, build_policy
 
 if TYPE_CHECKING:
@@ -126,10 +127,12 @@ async def reload_config(gw: Gateway, path: str | None = None) -> ReloadResult:
             # File I/O and validation off the event loop (tokenizer checks may read files).
             loaded = await asyncio.to_thread(load_settings, path)
             new, kept = prepare(gw, loaded, path)
+            keys = await asyncio.to_thread(tenant_keys, new.tenants)  # the keys file, re-read
         except (ConfigError, PolicyError, OSError, ValueError) as exc:
             log.error("config reload from %s failed, keeping the running config: %s", path, exc)
             return ReloadResult(False, path, str(exc))
         result = ReloadResult(True, path, restart_required=kept)
+        gw.tenant_keys = keys  # before the settings: the tenant gate re-syncs on them
         apply(gw, new, result)
     log.info(
         "config reloaded from %s: added %s, removed %s, changed %s%s",

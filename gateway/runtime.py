@@ -34,6 +34,7 @@ from backends.profile_file import load_measured_profiles
 from backends.prometheus import EngineLoad
 from backends.scraper import MetricsScraper
 from config.settings import InstanceSettings, PoolSettings, Role, Settings
+from config.tenant_keys import tenant_keys
 from gateway.capacity_loop import CapacitySignal
 from gateway.drain import Drain
 from gateway.kv_feeds import KvEventFeeds
@@ -105,6 +106,9 @@ class Gateway:
             else None
         )
         self.drain = Drain(clock)  # SIGTERM: stop taking requests, finish or abort the rest
+        # Tenants' API key hashes (config and keys file), read here and on reload, never on
+        # the request path (gateway/tenants.py takes them from here).
+        self.tenant_keys = tenant_keys(settings.tenants)
         self.config_path: str | None = None  # the file a reload reads (``kvgate serve``)
         self.reload_lock = asyncio.Lock()  # SIGHUP and POST /admin/reload, one at a time
         for spec in settings.instances():

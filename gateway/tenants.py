@@ -16,8 +16,9 @@ Off by default (config ``tenants.enabled``). When on, for each request, in this 
    overload the over-share tenant's requests are shed while the queue is still below the
    SLO limit of the others, so their requests are neither late nor rejected first.
 
-Keys (config and ``keys_file``) are re-read whenever the settings object changes (reload by
-SIGHUP or POST /admin/reload, admin PUTs); the file was validated by the config checks.
+Keys (config and ``keys_file``) are read by the gateway at start-up and re-read on every
+reload (SIGHUP or POST /admin/reload), off the event loop; a keys file that has gone bad
+fails the reload and the running keys stay.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from config.settings import AdmissionMode, Settings, TenantSettings, TenantsSettings
-from config.tenant_keys import KeyFileError, hash_key, read_key_file
+from config.tenant_keys import hash_key
 from gateway.answers import send_json
 from gateway.openai import error_body
 from routing.tenant_share import FairShare, TokenBucket
@@ -147,14 +148,8 @@ class TenantGate:
 
     def apply(self, cfg: TenantsSettings) -> None:
         """Take new tenant settings: keys, weights, limits (bucket levels kept if unchanged)."""
-        keys = {d.lower(): t.name for t in cfg.tenant for d in t.key_sha256}
-        if cfg.keys_file is not None:
-            try:
-                keys.update(read_key_file(cfg.keys_file, set(cfg.names())))
-            except KeyFileError as exc:  # validated at load; changed since: keep the old keys
-                log.error("tenant keys not reloaded, keeping the previous ones: %s", exc)
-                keys = self._keys
-        self.cfg, self._keys = cfg, keys
+        # Read by the gateway at start-up and on reload (off the event loop), never here.
+        self.cfg, self._keys = cfg, self.gw.tenant_keys
         self._weights = {t.name: t.weight for t in cfg.tenant}
         self.share.configure(cfg.share_half_life_s, cfg.active_window_s)
         fresh: dict[str, TenantState] = {}

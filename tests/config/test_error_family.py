@@ -11,6 +11,7 @@ from backends.profile_file import ProfileFileError
 from backends.profiler import ProfileError
 from backends.prometheus import MetricsParseError
 from config.errors import ConfigError, KvgateError
+from config.tenant_keys import KeyFileError
 from predictors.calibration import ProfileDataError
 from replay.workload.traces import TraceError
 from routing.admission import UnknownPriority
@@ -30,6 +31,7 @@ FAMILY = [
     (ProfileFileError, ValueError),
     (MetricsParseError, ValueError),
     (TraceError, ValueError),
+    (KeyFileError, ValueError),
     (ProfileError, RuntimeError),
 ]
 

@@ -114,6 +114,18 @@ def test_a_valid_key_passes_to_the_engine(client: TestClient) -> None:
         assert r.json()["error"]["code"] != "invalid_api_key"
 
 
+def test_the_request_path_never_reads_the_keys_file(client: TestClient, keys_file: Path) -> None:
+    # Keys are read at start-up and on reload (off the event loop); a settings change by the
+    # admin API makes the tenant gate re-sync, from the keys the gateway holds, not the file.
+    keys_file.write_text(f"b {hash_key(KEY_NEW)}\n")  # b's old key is gone from the file
+    r = client.put(
+        "/admin/slo", json={"ttft_s": 25.0}, headers={"Authorization": f"Bearer {ADMIN}"}
+    )
+    assert r.status_code == 200, r.text
+    assert _post(client, KEY_B).status_code in (502, 503)  # still the keys read at start-up
+    assert _post(client, KEY_NEW).status_code == 401  # the file's new key needs a reload
+
+
 def test_requests_per_second_bucket_429_with_retry_after(
     client: TestClient, clock: FakeClock
 ) -> None:
