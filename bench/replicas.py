@@ -5,11 +5,17 @@ replicas, the client load split round-robin over them (request i goes to replica
 Each run starts a fresh fleet of ``kvgate emulate`` processes (KV events on, so every replica
 sees the engines' cache) so no run inherits another's cache. With the exchange every replica
 publishes its dispatched-but-unfinished work over ZMQ and counts the others' (docs/replicas.md);
-without it each replica sees only its own share of the load. Reports goodput and mean TTFT
-relative to one replica; ``--json`` writes everything. Every process started here is ended by
-PID; ports come from 45200-45499.
+without it each replica sees only its own share of the load; with ``--interval-only`` a run
+whose replicas publish on the interval only (the exchange before publishing on dispatch) joins
+each round. Reports goodput and mean TTFT relative to the round's one-replica run, a diagnosis
+per run (rejections by reason, prefill split, predicted against observed TTFT, same-instance
+pairs across replicas) and the client's send lag (a stalled box shows there first);
+``--json`` writes everything and ``<logs>/<run>-outcomes.jsonl`` every request's outcome.
+Every process started here is ended by PID; ports come from 20000-20899 (the tests take
+20900-20999).
 
     python -m bench.replicas --duration 180 --json /tmp/replicas/bench.json
+    python -m bench.replicas --replicas 1,2,4 --no-baseline-off --interval-only --rounds 2
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -32,16 +40,62 @@ import aiohttp
 from gateway.demo import bundled_trace
 from replay.live.loadgen import LoadOptions, prompt_ids, send_one
 from replay.report.report import summarize
-from replay.report.results import RequestOutcome, RunResult
+from replay.report.results import Outcome, RequestOutcome, RunResult
 from replay.workload.traces import TraceRequest, load_trace, select
 
 KEYS = ("goodput_rps", "ttft_mean_s", "ttft_p90_s", "rejected", "cache_hit_ratio")
+HERD_WINDOW_S = 0.1  # two admissions this close, by different replicas: could they herd?
+
+
+def send_lag(outcomes: list[RequestOutcome], trace: list[TraceRequest]) -> float:
+    """The client's worst delay in sending a request past its trace time (s)."""
+    lags = [o.arrival_s - tr.arrival_s for o, tr in zip(outcomes, trace, strict=True)]
+    return max(lags, default=0.0)
+
+
+def diagnose(outcomes: list[RequestOutcome], replicas: int) -> dict:
+    """Where a replica's TTFT comes from: rejections by reason, the prefill instances' split,
+    predicted against observed TTFT, and herding (two requests admitted within
+    ``HERD_WINDOW_S`` by different replicas placed on the same prefill instance, against the
+    same for pairs from one replica, which sees its own previous choice at once)."""
+    reasons: dict[str, int] = {}
+    split: dict[str, int] = {}
+    for o in outcomes:
+        if o.outcome is Outcome.REJECTED:
+            reasons[o.reason] = reasons.get(o.reason, 0) + 1
+        if o.prefill_instance:
+            split[o.prefill_instance] = split.get(o.prefill_instance, 0) + 1
+    done = [
+        (k, o)
+        for k, o in enumerate(outcomes)
+        if o.outcome is Outcome.COMPLETED and o.ttft_s is not None and o.prefill_instance
+    ]
+    pred = [o.predicted_ttft_s for _, o in done if o.predicted_ttft_s is not None]
+    obs = [o.ttft_s for _, o in done if o.predicted_ttft_s is not None]
+    pairs = {"cross": [0, 0], "own": [0, 0]}  # [same instance, pairs]
+    ordered = sorted(done, key=lambda ko: ko[1].arrival_s)
+    for (k1, a), (k2, b) in itertools.pairwise(ordered):
+        if b.arrival_s - a.arrival_s <= HERD_WINDOW_S:
+            kind = "own" if k1 % replicas == k2 % replicas else "cross"
+            pairs[kind][0] += a.prefill_instance == b.prefill_instance
+            pairs[kind][1] += 1
+    per_replica = [[o.ttft_s for k, o in done if k % replicas == r] for r in range(replicas)]
+    return {
+        "rejected_by_reason": reasons,
+        "prefill_split": dict(sorted(split.items())),
+        "predicted_ttft_mean_s": round(sum(pred) / len(pred), 4) if pred else None,
+        "observed_ttft_mean_s": round(sum(obs) / len(obs), 4) if obs else None,
+        "same_instance_pairs": {k: f"{v[0]}/{v[1]}" for k, v in pairs.items()},
+        "ttft_mean_by_replica_s": [round(sum(t) / len(t), 4) if t else None for t in per_replica],
+    }
+
+
 _GIVEN: set[int] = set()
 
 
 def _port() -> int:
-    """A free loopback port in 45200-45499, never the same one twice in a run."""
-    for port in range(45200, 45500):
+    """A free loopback port in 20000-20899, never the same one twice in a run."""
+    for port in range(20000, 20900):
         if port in _GIVEN:
             continue
         with socket.socket() as s:
@@ -51,18 +105,21 @@ def _port() -> int:
                 continue
         _GIVEN.add(port)
         return port
-    raise RuntimeError("no free port left in 45200-45499")
+    raise RuntimeError("no free port left in 20000-20899")
 
 
-def _kvgate(log: Path, *args: str) -> subprocess.Popen:
-    code = "import sys; from gateway.cli import main; sys.exit(main())"
+def _kvgate(log: Path, *args: str, on_dispatch: bool = True) -> subprocess.Popen:
+    # ``on_dispatch`` False: the replica publishes only every interval (the exchange before
+    # publishing on dispatch), for a comparison inside one run of this benchmark.
+    pre = "" if on_dispatch else "import gateway.replica_exchange as x; x.PUBLISH_ON_DISPATCH = 0; "
+    code = pre + "import sys; from gateway.cli import main; sys.exit(main())"
     out = log.open("w")
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=out)
 
 
 class StartError(RuntimeError):
-    """A process did not come up (its port can be taken between the probe and its bind:
-    45000-45499 lies in Linux's ephemeral range, so an outgoing connection may hold it)."""
+    """A process did not come up (its port can be taken between the probe and its bind by
+    another process)."""
 
 
 async def _wait(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -155,9 +212,19 @@ async def _load(trace: list[TraceRequest], targets: list[str], args) -> RunResul
     return result
 
 
-async def run_one(args, trace, replicas: int, exchange: bool, logs: Path) -> dict:
+async def run_one(
+    args,
+    trace,
+    replicas: int,
+    exchange: bool,
+    logs: Path,
+    on_dispatch: bool = True,
+    rnd: int = 0,
+) -> dict:
     procs: list[subprocess.Popen] = []
-    tag = f"{replicas}r-{'ex' if exchange else 'noex'}"
+    exchange = exchange and replicas > 1
+    mode = ("ex" if on_dispatch else "ex-interval") if exchange else "noex"
+    tag = f"{replicas}r-{mode}-{rnd}"
     try:
         engines: dict[str, tuple[str, str]] = {}
         for role, n in (("prefill", args.prefill), ("decode", args.decode)):
@@ -189,7 +256,7 @@ async def run_one(args, trace, replicas: int, exchange: bool, logs: Path) -> dic
         binds = [f"tcp://127.0.0.1:{_port()}" for _ in range(replicas)]
         for r in range(replicas):
             ex = {}
-            if exchange and replicas > 1:
+            if exchange:
                 ex = {"bind": binds[r], "peers": [b for b in binds if b != binds[r]]}
             cfg = logs / f"{tag}-gw{r}.toml"
             cfg.write_text(_config(args, engines, ports[r], f"r{r}", ex))
@@ -201,6 +268,7 @@ async def run_one(args, trace, replicas: int, exchange: bool, logs: Path) -> dic
                     str(cfg),
                     "--log-level",
                     "warning",
+                    on_dispatch=on_dispatch,
                 )
             )
         targets = [f"http://127.0.0.1:{p}" for p in ports]
@@ -210,15 +278,24 @@ async def run_one(args, trace, replicas: int, exchange: bool, logs: Path) -> dic
         t0, load0 = time.monotonic(), os.getloadavg()[0]
         result = await asyncio.wait_for(_load(trace, targets, args), args.max_run_s)
         summary = summarize(result)
+        with (logs / f"{tag}-outcomes.jsonl").open("w") as f:
+            for o in result.requests:
+                f.write(json.dumps(dataclasses.asdict(o)) + "\n")
         return {
             "replicas": replicas,
-            "exchange": exchange and replicas > 1,
+            "exchange": exchange,
+            "on_dispatch": exchange and on_dispatch,
             "wall_s": round(time.monotonic() - t0, 1),
             # The box's 1-minute load average before and after: other work on a small box
             # slows the emulators' step loops, which shows as TTFT (compare runs with care).
             "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)],
             **{k: summary[k] for k in KEYS},
             "requests": summary.get("requests", len(trace)),
+            # The client's worst delay in sending a request (s, trace time): over ~0.5 s the
+            # box stalled every process, the load generator included, and the run's TTFT
+            # measures the box rather than the routing.
+            "send_lag_max_s": round(send_lag(result.requests, trace), 3),
+            "diagnosis": diagnose(result.requests, replicas),
         }
     finally:
         for p in procs:
@@ -242,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
     p.add_argument("--no-baseline-off", action="store_true", help="skip runs without exchange")
+    p.add_argument(
+        "--interval-only",
+        action="store_true",
+        help="also run each replica count with snapshots on the interval only (no publish on "
+        "dispatch: the exchange before it)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="run every configuration this often")
     p.add_argument("--profile", default="llama3-8b-h100-tp1")
     p.add_argument("--policy", default="kvcache_centric")
     p.add_argument("--admission", default="predictive")
@@ -260,38 +344,43 @@ def main(argv: list[str] | None = None) -> int:
     )
     logs = Path(args.logs or tempfile.mkdtemp(prefix="kvgate-replicas-"))
     logs.mkdir(parents=True, exist_ok=True)
-    plan = [(n, True) for n in counts] + [
-        (n, False) for n in counts if n > 1 and not args.no_baseline_off
-    ]
+    # One round: every configuration once, interleaved, so the box's load at the time
+    # falls on all of them; each round's ratios are against its own one-replica run.
+    plan = [(n, True, True) for n in counts]
+    plan += [(n, True, False) for n in counts if n > 1 and args.interval_only]
+    plan += [(n, False, False) for n in counts if n > 1 and not args.no_baseline_off]
     runs = []
-    for n, ex in plan:
-        for attempt in range(3):  # a port lost to another process: start the run again
-            try:
-                run = asyncio.run(run_one(args, trace, n, ex, logs))
-                break
-            except StartError as exc:
-                print(f"run {n} replicas: {exc}; attempt {attempt + 2}/3", file=sys.stderr)
-        else:
-            raise SystemExit(f"run with {n} replicas did not start")
-        runs.append(run)
-        print(json.dumps(run), flush=True)
-    base = next((r for r in runs if r["replicas"] == 1), None)
+    for rnd in range(args.rounds):
+        for n, ex, on_dispatch in plan:
+            for attempt in range(3):  # a port lost to another process: start the run again
+                try:
+                    run = asyncio.run(run_one(args, trace, n, ex, logs, on_dispatch, rnd))
+                    break
+                except StartError as exc:
+                    print(f"run {n} replicas: {exc}; attempt {attempt + 2}/3", file=sys.stderr)
+            else:
+                raise SystemExit(f"run with {n} replicas did not start")
+            run["round"] = rnd
+            runs.append(run)
+            print(json.dumps(run), flush=True)
     for r in runs:
+        base = next((b for b in runs if b["replicas"] == 1 and b["round"] == r["round"]), None)
         if base is not None:
             r["vs_1"] = {
                 k: round(r[k] / base[k], 4) if base[k] else None
                 for k in ("goodput_rps", "ttft_mean_s")
             }
     print(
-        f"{'replicas':>8} {'exchange':>8} {'goodput r/s':>11} {'TTFT mean s':>11} "
-        f"{'goodput/1':>9} {'TTFT/1':>7} {'rejected':>8}"
+        f"{'round':>5} {'replicas':>8} {'exchange':>12} {'goodput r/s':>11} {'TTFT mean s':>11} "
+        f"{'goodput/1':>9} {'TTFT/1':>7} {'rejected':>8} {'send lag s':>10}"
     )
     for r in runs:
         v = r.get("vs_1", {})
+        mode = ("dispatch" if r["on_dispatch"] else "interval") if r["exchange"] else "off"
         print(
-            f"{r['replicas']:>8} {r['exchange']!s:>8} {r['goodput_rps']:>11.3f} "
+            f"{r['round']:>5} {r['replicas']:>8} {mode:>12} {r['goodput_rps']:>11.3f} "
             f"{r['ttft_mean_s']:>11.3f} {v.get('goodput_rps')!s:>9} "
-            f"{v.get('ttft_mean_s')!s:>7} {r['rejected']:>8}"
+            f"{v.get('ttft_mean_s')!s:>7} {r['rejected']:>8} {r['send_lag_max_s']:>10.2f}"
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,12 @@ sequence number; what it receives goes into its books through ``ReplicaLoad.set_
 where admission and placement count it as load. A peer not heard from for ``ttl_s`` (default 3
 intervals) has its share expire; a replica that shuts down cleanly says goodbye so its share
 goes at once. Whole snapshots, not deltas: PUB/SUB may drop (slow joiner, high-water mark)
-and that costs only freshness. Brokerless: no server to run, nothing to keep consistent
-(docs/replicas.md says why ZMQ rather than NATS or Redis).
+and that costs only freshness. Besides the interval, a replica publishes right after each of
+its dispatches (at most one snapshot per ``gap``, which grows with the snapshot's own cost):
+arrivals come in bursts that a load balancer spreads over all replicas at the same instant,
+and a replica that learns of its peers' share of a burst only at their next interval predicts
+queues (and admits) as if the burst were its share alone. Brokerless: no server to run,
+nothing to keep consistent (docs/replicas.md says why ZMQ rather than NATS or Redis).
 
 Wire: frames ``[b"kvgate.books", payload]``; payload a msgpack map
 ``{"v": 1, "r": replica, "e": epoch, "s": seq, "bye": bool, "i": {instance: [prefills,
@@ -24,6 +28,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +45,16 @@ log = logging.getLogger("kvgate.replicas")
 
 TOPIC = b"kvgate.books"
 VERSION = 1
+
+# Publishing on dispatch (and catching up before each decision): the default
+# (bench/replicas.py turns it off in a child to compare); a token bucket of DISPATCH_BURST
+# snapshots refilled one per gap, the gap GAP_COST_FACTOR times a snapshot's own cost (at
+# least MIN_DISPATCH_GAP_S): on average at most ~1/GAP_COST_FACTOR of a core goes to them,
+# however many requests are in flight.
+PUBLISH_ON_DISPATCH = True
+DISPATCH_BURST = 8
+MIN_DISPATCH_GAP_S = 0.001
+GAP_COST_FACTOR = 50.0
 
 
 class SnapshotError(ValueError):
@@ -131,6 +146,14 @@ def decode(payload: bytes) -> Snapshot:
     )
 
 
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 @dataclass(slots=True)
 class ExchangeStats:
     published: int = 0
@@ -138,6 +161,7 @@ class ExchangeStats:
     stale: int = 0  # older than one already applied
     invalid: int = 0
     expired: int = 0  # peer shares dropped for silence
+    on_dispatch: int = 0  # of ``published``: right after a dispatch, not on the interval
 
 
 class ReplicaExchange:
@@ -150,6 +174,7 @@ class ReplicaExchange:
         clock: Callable[[], float],
         *,
         context: zmq.asyncio.Context | None = None,
+        publish_on_dispatch: bool | None = None,
     ) -> None:
         self.cfg = cfg
         self.replica_id = cfg.replica_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -164,6 +189,14 @@ class ReplicaExchange:
         self._ctx = context if context is not None else zmq.asyncio.Context()
         self._pub: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self.publish_on_dispatch = (
+            PUBLISH_ON_DISPATCH if publish_on_dispatch is None else publish_on_dispatch
+        )
+        self.gap_s = MIN_DISPATCH_GAP_S  # refill period of the dispatch bucket; adapts to cost
+        self._tokens = float(DISPATCH_BURST)
+        self._refilled = time.perf_counter()
+        self._deferred: asyncio.TimerHandle | None = None
+        self._hooked = False
 
     def start(self) -> None:
         """Bind and connect now, so a taken port fails start-up with a clear message."""
@@ -182,6 +215,8 @@ class ReplicaExchange:
         for peer in self.cfg.peers:
             sub.connect(peer)  # ZMQ reconnects by itself while a peer is down
         self._pub, self._sub = pub, sub
+        if self.publish_on_dispatch:
+            self._hook_conductor()
         log.info(
             "replica %s publishes on %s, peers %s", self.replica_id, self.cfg.bind, self.cfg.peers
         )
@@ -191,13 +226,77 @@ class ReplicaExchange:
         work = {} if bye else own_work(self.conductor.requests, self.conductor.instances, now)
         return Snapshot(self.replica_id, self._epoch, self._seq, work, bye)
 
-    def publish(self, bye: bool = False) -> None:
+    def publish(self, bye: bool = False) -> bool:
         if self._pub is None:
-            return
+            return False
+        t0 = time.perf_counter()
         payload = encode(self.snapshot(self.clock(), bye))
+        sent = False
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([TOPIC, payload], flags=zmq.NOBLOCK)
             self.stats.published += 1
+            sent = True
+        self.gap_s = max(MIN_DISPATCH_GAP_S, GAP_COST_FACTOR * (time.perf_counter() - t0))
+        return sent
+
+    # ---- at decision time: peers' newest work in, own dispatch out ----
+    def _hook_conductor(self) -> None:
+        """Before each ``Conductor.schedule`` apply what the peers sent since the event loop
+        last ran (``catch_up``); after each ``dispatched`` publish (``dispatched``). A burst's
+        requests are scheduled one after another within one turn of the event loop, where
+        the receiving task cannot run: these hooks let each decision see the peers'
+        dispatches that have reached the socket by then (serve and epp alike)."""
+        if self._hooked:
+            return
+        self.conductor.before_schedule.append(self.catch_up)
+        self.conductor.after_dispatch.append(self.dispatched)
+        self._hooked = True
+
+    def _unhook_conductor(self) -> None:
+        if self._hooked:
+            self.conductor.before_schedule.remove(self.catch_up)
+            self.conductor.after_dispatch.remove(self.dispatched)
+            self._hooked = False
+
+    def catch_up(self) -> int:
+        """Apply the snapshots waiting on the socket now; returns how many arrived."""
+        sub = self._sub
+        # EVENTS first: one getsockopt where a receive would build a future for nothing.
+        if sub is None or not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN or not _in_event_loop():
+            return 0
+        payloads = self._pending(sub)
+        if payloads:
+            self.receive(payloads)
+        return len(payloads)
+
+    def dispatched(self) -> None:
+        """This replica just dispatched a request: publish now. A token bucket bounds the
+        cost: ``DISPATCH_BURST`` snapshots at once, then one per ``gap_s`` (the rest of a burst
+        goes out in one snapshot at the end of the gap)."""
+        if self._pub is None or not _in_event_loop():
+            return  # the sockets are asyncio's: without a running loop, the interval covers it
+        if self._take_token():
+            if self.publish():
+                self.stats.on_dispatch += 1
+        elif self._deferred is None:  # else a publish is already due
+            wait = (1.0 - self._tokens) * self.gap_s
+            self._deferred = asyncio.get_running_loop().call_later(wait, self._publish_deferred)
+
+    def _take_token(self) -> bool:
+        now = time.perf_counter()
+        self._tokens = min(DISPATCH_BURST, self._tokens + (now - self._refilled) / self.gap_s)
+        self._refilled = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+    def _publish_deferred(self) -> None:
+        self._deferred = None
+        if not self._take_token():  # the timer fired a hair early: spend what has refilled
+            self._tokens = 0.0
+        if self.publish():
+            self.stats.on_dispatch += 1
 
     def receive(self, payloads: list[bytes]) -> None:
         """Apply the newest snapshot of each peer among ``payloads`` (oldest first)."""
@@ -234,7 +333,7 @@ class ReplicaExchange:
             while not stop.is_set():
                 # What arrived while this loop was held up (a busy event loop) is applied
                 # before expiring: a live peer's share must not lapse for our own delay.
-                self.receive(await self._pending(sub))
+                self.receive(self._pending(sub))
                 now = self.clock()
                 self.stats.expired += len(self.load.expire(now))
                 if now >= next_pub:
@@ -245,13 +344,16 @@ class ReplicaExchange:
             if not stop.is_set() and self._sub is not None:
                 raise
 
-    async def _pending(self, sub: zmq.asyncio.Socket, limit: int = 1000) -> list[bytes]:
+    def _pending(self, sub: zmq.asyncio.Socket, limit: int = 1000) -> list[bytes]:
+        """What waits on the socket, without waiting (a NOBLOCK receive of an asyncio socket
+        completes at once: synchronous, so ``catch_up`` can run inside a decision)."""
         payloads: list[bytes] = []
         while len(payloads) < limit:
-            try:
-                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
+            fut = sub.recv_multipart(flags=zmq.NOBLOCK)
+            if not fut.done() or fut.exception() is not None:  # zmq.Again: nothing more
+                fut.cancel()
                 break
+            frames = fut.result()
             if len(frames) == 2 and frames[0] == TOPIC:
                 payloads.append(frames[1])
             else:
@@ -261,6 +363,10 @@ class ReplicaExchange:
     def close(self) -> None:
         """Say goodbye (peers drop this replica's share at once) and close the sockets; the
         peers' shares leave these books too."""
+        self._unhook_conductor()
+        if self._deferred is not None:
+            self._deferred.cancel()
+            self._deferred = None
         with contextlib.suppress(zmq.ZMQError):
             self.publish(bye=True)
         if self._pub is not None:

@@ -76,6 +76,10 @@ class Conductor(RequestProgress):
         self._order = 0
         self.pools = FleetPools()
         self._last_now = 0.0  # the latest time seen, for fleet changes made without one
+        # Listeners outside the core (the replica exchange, gateway/replica_exchange.py): run
+        # before each decision and after each dispatch. The core only calls them.
+        self.before_schedule: list[Callable[[], object]] = []
+        self.after_dispatch: list[Callable[[], object]] = []
         self.apply_settings(settings)
         for inst in settings.instances():
             self.add_instance(inst)
@@ -180,6 +184,8 @@ class Conductor(RequestProgress):
     ) -> Decision | Rejection:
         """Place ``req`` (not on the instances in ``exclude``: a retry avoids the one that
         just failed it), or reject it."""
+        for hook in self.before_schedule:
+            hook()
         self._last_now = max(self._last_now, now)
         slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
         pools = self._pools_for(req)

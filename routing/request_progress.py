@@ -8,6 +8,7 @@ Conductor (routing/conductor.py), which owns the state named below; time is an a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from predictors.output_length import OutputLengthPredictor
@@ -40,6 +41,7 @@ class RequestProgress:
     requests: dict[str, RequestRecord]
     stats: DecisionStats
     _event_fed: set[str]
+    after_dispatch: list[Callable[[], object]]
 
     def dispatched(self, decision: Decision, req: RequestInfo, now: float) -> None:
         prefill = self.instances[decision.prefill]
@@ -65,6 +67,8 @@ class RequestProgress:
         )
         record.routed = self.index.record_route(prefill.id, req.block_hashes, now)
         self.requests[req.request_id] = record
+        for hook in self.after_dispatch:
+            hook()
 
     def prefill_done(self, request_id: str, now: float) -> None:
         rec = self.requests.get(request_id)
