@@ -32,8 +32,8 @@ import aiohttp
 
 from backends.prefix_tokens import PrefixTokens
 from backends.replication import Outcome, ReplicationResult
-from routing.cluster import InstanceState
 from routing.conductor import Conductor
+from routing.instance_books import InstanceState
 from routing.types import ReplicationCommand
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # worth another try; other 4xx: no

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from routing.admission import EffectiveSLO
-from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
+from routing.instance_books import InstanceState
 from routing.types import RequestInfo
 
 LOCAL_REASON = "decode_local"

@@ -25,13 +25,13 @@ from routing.admission import (
     resolve_slo,
     unavailable_rejection,
 )
-from routing.cluster import InstanceState
 from routing.conditional_disagg import local_prefill
 from routing.decode_placement import place_decode
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
 from routing.fleet_pools import FleetPools, ModelPools
 from routing.hopeless import hopeless_rejection
 from routing.hotspot import HotspotPlanner
+from routing.instance_books import InstanceState
 from routing.kv_index import KVIndex
 from routing.policies.base import PlacementContext, Policy
 from routing.policies.registry import build_policy

@@ -13,8 +13,8 @@ from __future__ import annotations
 from operator import attrgetter
 
 from config.settings import AdmissionMode, DecodePlacement
-from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
+from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, Policy
 
 _COMMITTED = attrgetter("committed_key")

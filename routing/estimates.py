@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.cluster import InstanceState
+from routing.instance_books import InstanceState
 from routing.types import PrefixMatch, RequestInfo
 
 STORE_SOURCE = "store"

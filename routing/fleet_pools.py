@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from config.settings import Role
-from routing.cluster import InstanceState
+from routing.instance_books import InstanceState
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from config.settings import AdmissionMode, AdmissionSettings
 from routing.admission import EffectiveSLO
-from routing.cluster import InstanceState
+from routing.instance_books import InstanceState
 from routing.types import Rejection, RejectReason
 
 _SLO_MODES = (AdmissionMode.EARLY, AdmissionMode.PREDICTIVE)

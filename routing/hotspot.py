@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from config.settings import ReplicationSettings
-from routing.cluster import InstanceState
 from routing.estimates import STORE_SOURCE, PrefillOption
+from routing.instance_books import InstanceState
 from routing.types import PrefixMatch, ReplicationCommand, ReplicationReason, RequestInfo
 
 _MAX_TRACKED_PREFIXES = 100_000

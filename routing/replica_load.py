@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from routing.cluster import DecodeWork, InstanceState
+from routing.instance_books import DecodeWork, InstanceState
 
 # Injected entries are keyed "<PEER_PREFIX><replica>/<n>": a NUL never occurs in the request ids
 # the gateway accepts or makes, so peer entries cannot collide with own requests.

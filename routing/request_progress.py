@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from predictors.output_length import OutputLengthPredictor
 from routing.cache_feedback import CacheFeedback, assess
-from routing.cluster import DecodeWork, InstanceState
 from routing.estimates import STORE_SOURCE
+from routing.instance_books import DecodeWork, InstanceState
 from routing.kv_index import KVIndex
 from routing.types import Decision, DecisionStats, RequestInfo
 

@@ -8,8 +8,8 @@ from typing import Any, ClassVar, Protocol
 
 from config.settings import AdmissionMode
 from routing.admission import EffectiveSLO
-from routing.cluster import InstanceState
 from routing.estimates import PrefillOption, TTFTEstimator
+from routing.instance_books import InstanceState
 from routing.types import PrefixMatch, RequestInfo
 
 

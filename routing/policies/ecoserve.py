@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from config.settings import AdmissionMode, Role
-from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
+from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, PolicyBase, min_queue
 from routing.policies.macro import Macro, Macros
 

@@ -7,8 +7,8 @@ from operator import attrgetter
 from typing import ClassVar
 
 from config.settings import AdmissionMode
-from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
+from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, PolicyBase
 
 _BUSY_UNTIL = attrgetter("busy_until_s")

@@ -13,8 +13,8 @@ import random
 from collections.abc import Sequence
 from typing import ClassVar
 
-from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
+from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, PolicyBase
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from config.settings import PeerOverloadSettings
-from routing.cluster import InstanceState
+from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext
 from routing.policies.peer_dynamo import DynamoKVPolicy
 from routing.policies.peer_llmd import EngineMetrics

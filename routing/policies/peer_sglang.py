@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from routing.cluster import InstanceState
 from routing.estimates import PrefillOption
+from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, PolicyBase
 from routing.policies.router_prefix import RouterPrefixIndex
 

@@ -10,10 +10,10 @@ from config.errors import ConfigError
 from config.loader import settings_from_dict
 from config.settings import SLOSettings
 from routing.admission import EffectiveSLO, resolve_slo
-from routing.cluster import DecodeWork
 from routing.conditional_disagg import LOCAL_REASON, local_prefill
 from routing.conductor import Conductor
 from routing.estimates import PrefillOption
+from routing.instance_books import DecodeWork
 from routing.types import Decision
 from tests.routing.fleet import busy, fleet_settings, prompt, request
 

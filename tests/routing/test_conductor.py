@@ -145,7 +145,7 @@ def test_no_replication_to_an_instance_that_already_holds_the_prefix() -> None:
 def _loaded(mode: AdmissionMode, *, finishing: bool) -> Conductor:
     """One decode instance; 128 running sequences with long contexts, or (finishing=False)
     none running but 128 already dispatched to it and arriving at 0.01 s."""
-    from routing.cluster import DecodeWork
+    from routing.instance_books import DecodeWork
 
     c = make_conductor(
         prefill=1, decode=1, admission=mode, slo=SLOSettings(ttft_s=30.0, tbt_s=0.02)

@@ -7,8 +7,8 @@ import pytest
 
 from config.settings import PredictorSettings, Role
 from predictors.bundle import build_instance_predictors
-from routing.cluster import InstanceState
 from routing.estimates import STORE_SOURCE, TTFTEstimator
+from routing.instance_books import InstanceState
 from routing.types import PrefixMatch, RequestInfo
 
 BLOCK = 16

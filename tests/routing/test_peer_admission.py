@@ -11,8 +11,8 @@ from config.checks import check_settings
 from config.errors import IssueCollector
 from config.settings import AdmissionMode, AdmissionSettings, PeerOverloadSettings
 from replay.sim.sim_cli import parse_run_specs
-from routing.cluster import DecodeWork
 from routing.conductor import Conductor
+from routing.instance_books import DecodeWork
 from routing.types import Decision, Rejection, RejectReason
 from tests.routing.fleet import fleet_settings, prompt, request
 

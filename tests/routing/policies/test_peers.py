@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from routing.cluster import DecodeWork
+from routing.instance_books import DecodeWork
 from routing.policies.peer_dynamo import DynamoKVPolicy, softmax_pick
 from routing.policies.peer_llmd import EngineMetrics
 from routing.policies.router_prefix import RouterPrefixIndex

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routing.cluster import DecodeWork
+from routing.instance_books import DecodeWork
 from routing.types import Decision
 from tests.routing.fleet import busy, hold, make_conductor, prompt, request
 

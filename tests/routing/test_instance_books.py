@@ -4,7 +4,7 @@ import pytest
 
 from config.settings import PredictorSettings, Role
 from predictors.bundle import build_instance_predictors
-from routing.cluster import DecodeWork, InstanceState
+from routing.instance_books import DecodeWork, InstanceState
 
 
 def inst(role: Role = Role.DECODE) -> InstanceState:
