@@ -1,12 +1,15 @@
-"""Run a LiveStack in a background thread so synchronous clients (the openai SDK) can use it."""
+"""Live gateways for tests: a LiveStack in a background thread so synchronous clients (the
+openai SDK) can use it, and ``serving``, any ASGI app under uvicorn on a loopback port."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
+
+import uvicorn
 
 from gateway.stack import LiveStack, StackSpec
 
@@ -51,3 +54,19 @@ def live_stack(spec: StackSpec) -> Iterator[ThreadedStack]:
             ts.loop.call_soon_threadsafe(ts.loop.stop)
             ts._thread.join(10)
             ts.loop.close()
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """``app`` under uvicorn on an ephemeral loopback port, lifespan on; yields its base URL."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task

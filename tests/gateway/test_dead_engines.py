@@ -11,7 +11,6 @@ import time
 
 import aiohttp
 import pytest
-import uvicorn
 
 from config.settings import (
     InstanceSettings,
@@ -24,23 +23,15 @@ from config.settings import (
 )
 from gateway.app import build_app
 from replay.emulator import EmulatorConfig, start_emulator
+from tests.gateway.live import serving
 
 
 @contextlib.asynccontextmanager
 async def _gateway(settings: Settings):
     """The gateway app under uvicorn on an ephemeral loopback port; yields (app, url)."""
     app = build_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield app, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serving(app) as url:
+        yield app, url
 
 
 def _colocated(insts: dict[str, str], **server: object) -> Settings:

@@ -8,7 +8,6 @@ import asyncio
 import typing
 
 import aiohttp
-import uvicorn
 
 from config.loader import settings_from_dict
 from config.settings import Role
@@ -16,6 +15,7 @@ from gateway.app import build_app
 from gateway.proxy import CompletionHandler
 from gateway.proxy_deps import ProxyGateway
 from replay.emulator import EmulatorConfig, start_emulator
+from tests.gateway.live import serving
 
 ALLOWED = set(typing.get_type_hints(ProxyGateway)) | {
     n for n in vars(ProxyGateway) if not n.startswith("_") and callable(getattr(ProxyGateway, n))
@@ -50,16 +50,9 @@ def test_the_gateway_is_a_proxy_gateway_and_the_handler_needs_no_more() -> None:
         app = build_app(settings)
         assert isinstance(app.gateway, ProxyGateway)
         app._completions = CompletionHandler(_OnlyTheSeam(app.gateway))  # type: ignore[arg-type]
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-        )
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
         out = []
         try:
-            async with aiohttp.ClientSession() as s:
+            async with serving(app) as url, aiohttp.ClientSession() as s:
                 for body, headers in (
                     ({"prompt": "seam " * 30, "max_tokens": 3, "stream": True}, {}),
                     ({"prompt": "seam " * 30, "max_tokens": 3}, {}),
@@ -69,8 +62,6 @@ def test_the_gateway_is_a_proxy_gateway_and_the_handler_needs_no_more() -> None:
                     async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
                         out.append((r.status, (await r.text())[:120]))
         finally:
-            server.should_exit = True
-            await task
             await engine.stop()
         return out
 
