@@ -43,6 +43,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, ServedModels, build_model_routes
 from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
 from gateway.replica_exchange import ReplicaExchange
+from gateway.replica_metrics import ReplicaExchangeCollector
 from gateway.replicator import EngineView, Replicator
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
@@ -105,6 +106,8 @@ class Gateway:
             if settings.replicas.enabled
             else None
         )
+        if self.replicas is not None:  # kvgate_replica_*: read at scrape time
+            self.metrics.registry.register(ReplicaExchangeCollector(self.replicas))
         self.drain = Drain(clock)  # SIGTERM: stop taking requests, finish or abort the rest
         # Tenants' API key hashes (config and keys file), read here and on reload, never on
         # the request path (gateway/tenants.py takes them from here).
