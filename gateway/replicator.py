@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 
+from backends.drivers import Target
+from backends.engine_sink import UrlLookup
 from backends.prefix_tokens import PrefixTokenStore
 from backends.replication import (
     DryRunSink,
@@ -54,8 +56,16 @@ class ReplicationRecord:
         return asdict(self)
 
 
-class UrlLookup(Protocol):
-    def get(self, instance_id: str) -> str | None: ...
+class TargetUrls:
+    """Instance id -> base URL (a ``UrlLookup``), read live from the gateway's targets
+    (instances come and go)."""
+
+    def __init__(self, targets: Mapping[str, Target]) -> None:
+        self._targets = targets
+
+    def get(self, instance_id: str) -> str | None:
+        t = self._targets.get(instance_id)
+        return t.url if t is not None else None
 
 
 @dataclass(frozen=True, slots=True)

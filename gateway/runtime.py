@@ -33,7 +33,7 @@ from backends.predictor_files import predictor_factory
 from backends.profile_file import load_measured_profiles
 from backends.prometheus import EngineLoad
 from backends.scraper import MetricsScraper
-from config.settings import InstanceSettings, PoolSettings, Role, Settings
+from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from config.tenant_keys import tenant_keys
 from gateway.capacity_loop import CapacitySignal
 from gateway.drain import Drain
@@ -44,7 +44,7 @@ from gateway.models import ModelRoute, ServedModels, build_model_routes
 from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replica_metrics import ReplicaExchangeCollector
-from gateway.replicator import EngineView, Replicator
+from gateway.replicator import EngineView, Replicator, TargetUrls
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
 from routing.hashing import BlockHasher
@@ -123,7 +123,7 @@ class Gateway:
             self.metrics,
             clock,
             EngineView(
-                urls=_UrlView(self.targets),
+                urls=TargetUrls(self.targets),
                 sends_kv_events=self.kv_feeds.sends_events,
                 engine_block_tokens=self._engine_block_tokens,
                 pin=self.pin_slot,
@@ -144,8 +144,6 @@ class Gateway:
         specs = list(self.specs.values())
         disaggregated = any(s.role is Role.DECODE for s in specs)
         protocol = next((s.protocol for s in specs), None)
-        from config.settings import PDProtocol
-
         return driver_for(protocol or PDProtocol.VLLM, disaggregated, self.client)
 
     def _http_targets(self) -> dict[str, str]:
@@ -408,14 +406,3 @@ class Gateway:
             await self.session.close()
         self.client.close()
         self.tracing.shutdown()
-
-
-class _UrlView:
-    """Instance id -> base URL, read live from the gateway's targets (instances come and go)."""
-
-    def __init__(self, targets: dict[str, Target]) -> None:
-        self._targets = targets
-
-    def get(self, instance_id: str) -> str | None:
-        t = self._targets.get(instance_id)
-        return t.url if t is not None else None
