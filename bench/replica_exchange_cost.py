@@ -15,7 +15,8 @@ import json
 import sys
 import time
 
-from config.settings import InstanceSettings, PoolSettings, ReplicasSettings, Role, Settings
+from config.replica_settings import ReplicasSettings
+from config.settings import InstanceSettings, PoolSettings, Role, Settings
 from gateway.replica_exchange import (
     DISPATCH_BURST,
     GAP_COST_FACTOR,

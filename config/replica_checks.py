@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from config.checker import Checker
-from config.settings import ReplicasSettings
+from config.replica_settings import ReplicasSettings
 
 
 def _endpoint_problem(endpoint: str) -> str | None:

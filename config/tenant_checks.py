@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from config.checker import Checker
-from config.settings import TenantsSettings
 from config.tenant_keys import KeyFileError, is_key_hash, read_key_file
+from config.tenant_settings import TenantsSettings
 
 
 def check_tenants(c: Checker, t: TenantsSettings) -> None:

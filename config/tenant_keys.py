@@ -14,7 +14,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from config.errors import KvgateError
-from config.settings import TenantsSettings
+from config.tenant_settings import TenantsSettings
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 

@@ -37,7 +37,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from config.settings import ReplicasSettings
+from config.replica_settings import ReplicasSettings
 from routing.conductor import Conductor
 from routing.replica_load import DecodeItem, InstanceWork, PrefillItem, ReplicaLoad, own_work
 

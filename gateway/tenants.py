@@ -29,8 +29,9 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from config.settings import AdmissionMode, Settings, TenantSettings, TenantsSettings
+from config.settings import AdmissionMode, Settings
 from config.tenant_keys import hash_key
+from config.tenant_settings import TenantSettings, TenantsSettings
 from gateway.answers import send_json
 from gateway.openai import error_body
 from routing.tenant_share import FairShare, TokenBucket

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import zmq
 
-from config.settings import ReplicasSettings
+from config.replica_settings import ReplicasSettings
 from gateway.replica_exchange import ReplicaExchange, decode, encode
 from routing.conductor import Conductor
 from routing.replica_load import PEER_PREFIX

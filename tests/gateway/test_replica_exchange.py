@@ -17,7 +17,8 @@ import msgpack
 import pytest
 
 from config.loader import settings_from_dict
-from config.settings import ReplicasSettings, Role
+from config.replica_settings import ReplicasSettings
+from config.settings import Role
 from gateway.replica_exchange import (
     ReplicaExchange,
     Snapshot,
