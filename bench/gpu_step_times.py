@@ -19,8 +19,10 @@ also time DynamicCache's per-step ``torch.cat`` re-copy of the cache apart (a pa
 writes the new token in place). Last, after every eager number is saved, each step is replayed
 as a CUDA graph (a diagnostic: see ``Bench.graph_ms``).
 
-    python3 bench/gpu_step_times.py --out $OUT/steps.json
-    python3 bench/gpu_step_times.py --tiny --device cpu --out /tmp/steps.json   # smoke test
+    python3 -m bench.gpu_step_times --out $OUT/steps.json
+    python3 -m bench.gpu_step_times --tiny --device cpu --out /tmp/steps.json   # smoke test
+
+(from the repo root; the timing tools are in bench/gpu_timing.py)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Any
 import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from bench.gpu_timing import GqaProbe, Timer, kernel_ms, kernel_profile
 
 LLAMA3_8B = {
     "hidden_size": 4096,
@@ -91,99 +95,6 @@ class Point:
         self.median_ms = statistics.median(self.samples_ms)
         self.min_ms = min(self.samples_ms)
         self.max_ms = max(self.samples_ms)
-
-
-class Timer:
-    """Device-event timing on CUDA, perf_counter on CPU (smoke tests only)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def once(self, fn: Callable[[], Any]) -> tuple[float, float]:
-        """(stream time ms, host issue time ms) of one call; the caller synced before."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            fn()
-            host = (time.perf_counter() - t0) * 1000.0
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end), host
-        t0 = time.perf_counter()
-        fn()
-        elapsed = (time.perf_counter() - t0) * 1000.0
-        return elapsed, elapsed
-
-
-class GqaProbe:
-    """Records whether transformers' SDPA path used native GQA (no mask) on the last forward.
-
-    Wraps ``use_gqa_in_sdpa`` where this transformers version has it; otherwise reports None."""
-
-    def __init__(self) -> None:
-        self.seen: set[bool] = set()
-        try:
-            from transformers.integrations import sdpa_attention as sdpa
-        except ImportError:
-            self._ok = False
-            return
-        original = getattr(sdpa, "use_gqa_in_sdpa", None)
-        self._ok = original is not None
-        if original is None:
-            return
-
-        def wrapped(*args: Any, **kwargs: Any) -> bool:
-            result = bool(original(*args, **kwargs))
-            self.seen.add(result)
-            return result
-
-        sdpa.use_gqa_in_sdpa = wrapped
-
-    def reset(self) -> None:
-        self.seen.clear()
-
-    def result(self) -> bool | None:
-        if not self._ok or len(self.seen) != 1:
-            return None
-        return next(iter(self.seen))
-
-
-def kernel_profile(fn: Callable[[], Any], device: torch.device) -> tuple[float, list[Any]] | None:
-    """(sum of GPU kernel/memcpy durations in ms, top kernels [name, ms, count]) of one call.
-    Kernels run back to back on one stream, so the sum is the GPU-busy time."""
-    if device.type != "cuda":
-        return None
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        by_name: dict[str, list[float]] = {}
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                by_name.setdefault(e.name, []).append(e.self_device_time_total / 1000.0)
-        total = sum(sum(v) for v in by_name.values())
-        top = sorted(
-            ([k[:120], round(sum(v), 3), len(v)] for k, v in by_name.items()),
-            key=lambda row: -row[1],
-        )[:8]
-        return total, top
-    except Exception as exc:  # the profiler is a diagnostic: never lose the timings over it
-        print(f"profiler failed: {exc!r}", file=sys.stderr)
-        return None
-
-
-def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float | None:
-    found = kernel_profile(fn, device)
-    return None if found is None else found[0]
 
 
 class Bench:
