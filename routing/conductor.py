@@ -305,7 +305,10 @@ class Conductor(RequestProgress):
         """Before the prompt is tokenized: the ``ttft_slo`` rejection that ``schedule`` would
         also give, when even the shortest queue wait misses the TTFT SLO (routing/hopeless.py);
         counted like any rejection. ``req`` needs only its id, model, priority and SLO
-        overrides; None means: tokenize and ``schedule`` as usual."""
+        overrides; None means: tokenize and ``schedule`` as usual. Judged on the same view as
+        ``schedule``: its listeners (a replica's catch-up on its peers' work) run first."""
+        for hook in self.before_schedule:
+            hook()
         self._last_now = max(self._last_now, now)
         slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
         pools = self._pools_for(req)

@@ -328,3 +328,16 @@ def test_swap_prefill_model_changes_only_that_profiles_instances() -> None:
     bundles = {id(inst.predictors) for inst in c.instances.values()}
     assert all(inst.predictors.prefill is model for inst in c.instances.values())
     assert len(bundles) <= len({id(b) for b in before.values()})  # shared bundles stay shared
+
+
+def test_listeners_run_before_every_judgement_and_after_every_dispatch() -> None:
+    c = make_conductor()
+    calls: list[str] = []
+    c.before_schedule.append(lambda: calls.append("before"))
+    c.after_dispatch.append(lambda: calls.append("after"))
+    req = request("r1", prompt(1, 64), now=0.0)
+    c.reject_hopeless(req, 0.0)  # the fast check sees the same view as schedule
+    d = c.schedule(req, 0.0)
+    assert isinstance(d, Decision)
+    c.dispatched(d, req, 0.0)
+    assert calls == ["before", "before", "after"]
