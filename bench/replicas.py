@@ -108,11 +108,8 @@ def _port() -> int:
     raise RuntimeError("no free port left in 20000-20899")
 
 
-def _kvgate(log: Path, *args: str, on_dispatch: bool = True) -> subprocess.Popen:
-    # ``on_dispatch`` False: the replica publishes only every interval (the exchange before
-    # publishing on dispatch), for a comparison inside one run of this benchmark.
-    pre = "" if on_dispatch else "import gateway.replica_exchange as x; x.PUBLISH_ON_DISPATCH = 0; "
-    code = pre + "import sys; from gateway.cli import main; sys.exit(main())"
+def _kvgate(log: Path, *args: str) -> subprocess.Popen:
+    code = "import sys; from gateway.cli import main; sys.exit(main())"
     out = log.open("w")
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=out)
 
@@ -136,7 +133,14 @@ async def _wait(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None
     raise StartError(f"{url} did not come up")
 
 
-def _config(args: argparse.Namespace, engines: dict, port: int, replica: str, ex: dict) -> str:
+def _config(
+    args: argparse.Namespace,
+    engines: dict,
+    port: int,
+    replica: str,
+    ex: dict,
+    on_dispatch: bool = True,
+) -> str:
     lines = [
         "[slo]",
         f"ttft_s = {args.ttft_slo}",
@@ -162,6 +166,7 @@ def _config(args: argparse.Namespace, engines: dict, port: int, replica: str, ex
             f'bind = "{ex["bind"]}"',
             f"peers = [{peers}]",
             f"publish_interval_s = {args.publish_interval}",
+            f"publish_on_dispatch = {'true' if on_dispatch else 'false'}",
         ]
     for role in ("prefill", "decode"):
         lines += ["[[pools]]", f'name = "{role}"', f'role = "{role}"']
@@ -259,7 +264,9 @@ async def run_one(
             if exchange:
                 ex = {"bind": binds[r], "peers": [b for b in binds if b != binds[r]]}
             cfg = logs / f"{tag}-gw{r}.toml"
-            cfg.write_text(_config(args, engines, ports[r], f"r{r}", ex))
+            # on_dispatch False: the exchange publishes only every interval, for a
+            # comparison inside one run of this benchmark.
+            cfg.write_text(_config(args, engines, ports[r], f"r{r}", ex, on_dispatch))
             procs.append(
                 _kvgate(
                     logs / f"{tag}-gw{r}.log",
@@ -268,7 +275,6 @@ async def run_one(
                     str(cfg),
                     "--log-level",
                     "warning",
-                    on_dispatch=on_dispatch,
                 )
             )
         targets = [f"http://127.0.0.1:{p}" for p in ports]

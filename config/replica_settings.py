@@ -17,3 +17,7 @@ class ReplicasSettings:
     peers: tuple[str, ...] = ()  # the other replicas' ``bind`` endpoints (SUB connects)
     publish_interval_s: float = 0.05
     ttl_s: float | None = None  # a silent peer's share expires after this; None = 3 intervals
+    # Publish right after each dispatch too (token-bucketed) and apply waiting peer snapshots
+    # before each decision: a burst's requests see each other across replicas. False: only
+    # every publish_interval_s (the exchange before 2026-11-27; kept for comparison).
+    publish_on_dispatch: bool = True

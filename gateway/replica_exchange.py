@@ -46,12 +46,11 @@ log = logging.getLogger("kvgate.replicas")
 TOPIC = b"kvgate.books"
 VERSION = 1
 
-# Publishing on dispatch (and catching up before each decision): the default
-# (bench/replicas.py turns it off in a child to compare); a token bucket of DISPATCH_BURST
+# Publishing on dispatch (and catching up before each decision; ``replicas.
+# publish_on_dispatch``, on by default): a token bucket of DISPATCH_BURST
 # snapshots refilled one per gap, the gap GAP_COST_FACTOR times a snapshot's own cost (at
 # least MIN_DISPATCH_GAP_S): on average at most ~1/GAP_COST_FACTOR of a core goes to them,
 # however many requests are in flight.
-PUBLISH_ON_DISPATCH = True
 DISPATCH_BURST = 8
 MIN_DISPATCH_GAP_S = 0.001
 GAP_COST_FACTOR = 50.0
@@ -190,7 +189,7 @@ class ReplicaExchange:
         self._pub: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self.publish_on_dispatch = (
-            PUBLISH_ON_DISPATCH if publish_on_dispatch is None else publish_on_dispatch
+            cfg.publish_on_dispatch if publish_on_dispatch is None else publish_on_dispatch
         )
         self.gap_s = MIN_DISPATCH_GAP_S  # refill period of the dispatch bucket; adapts to cost
         self._tokens = float(DISPATCH_BURST)

@@ -170,3 +170,12 @@ def test_close_takes_the_hooks_off_the_conductor() -> None:
         return wrapped, published, holds, restored, ex.stats.on_dispatch
 
     assert asyncio.run(run()) == (True, 1, True, True, 1)
+
+
+def test_publish_on_dispatch_comes_from_config() -> None:
+    c = make_conductor(prefill=1, decode=1)
+    off = ReplicaExchange(
+        ReplicasSettings(enabled=True, publish_on_dispatch=False), c, time.monotonic
+    )
+    on = ReplicaExchange(ReplicasSettings(enabled=True), c, time.monotonic)
+    assert off.publish_on_dispatch is False and on.publish_on_dispatch is True
