@@ -12,7 +12,6 @@ differently.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -20,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from backends import http1
+from backends import http1, json_codec
 from backends.transport import Leg, transport_for
 from config.settings import KVConnector
 
@@ -153,7 +152,7 @@ class UpstreamResponse:
 def _encode(body: dict[str, Any] | bytes) -> bytes:
     if isinstance(body, bytes):
         return body
-    return json.dumps(body, separators=(",", ":")).encode()
+    return json_codec.dumps(body)
 
 
 async def post_leg(

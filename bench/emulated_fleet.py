@@ -37,6 +37,10 @@ class FleetSpec:
     ttft_slo_s: float = 1.0
     tbt_slo_s: float = 0.1
     recent_decisions: int = 1000  # the decision history's bound (server.recent_decisions)
+    # 0: no refits (the overload runs: they measure the gateway, not LightGBM); the soak runs
+    # the gateway's default (60 s), whose memory is what it measures.
+    refit_interval_s: float = 0.0
+    refit_window: int | None = None  # server.refit_window; None: the gateway's default
     start_timeout_s: float = 60.0
 
 
@@ -50,6 +54,8 @@ class Books:
     rejections_total: int
     decision_history: int  # records kept for /admin/decisions (bounded by recent_decisions)
     history_in_flight: int  # kept records still marked in_flight
+    learner_samples: int  # the fullest learner window (observations kept for refits)
+    learner_window: int  # its bound (server.refit_window)
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -157,8 +163,10 @@ class EmulatedFleet:
             f"port = {s.base_port}",
             f'admin_token = "{self.token}"',
             f"recent_decisions = {s.recent_decisions}",
-            "refit_interval_s = 0",  # no refits: a soak measures the gateway, not LightGBM
+            f"refit_interval_s = {s.refit_interval_s}",
         ]
+        if s.refit_window is not None:
+            lines.append(f"refit_window = {s.refit_window}")
         for role in ("prefill", "decode"):
             lines += ["[[pools]]", f'name = "{role}"', f'role = "{role}"']
             for iid, url in urls.items():
@@ -211,6 +219,7 @@ class EmulatedFleet:
         """Blocking (call it from a thread inside an event loop)."""
         state = self._admin("/admin/state")
         history = self._admin(f"/admin/decisions?limit={10 * self.spec.recent_decisions}")
+        learner = self._admin("/admin/predictors")
         return Books(
             requests_in_flight=int(state["requests_in_flight"]),
             kv_index_blocks=int(state["cache_view_blocks"]),
@@ -218,6 +227,8 @@ class EmulatedFleet:
             rejections_total=sum(int(v) for v in dict(state["rejections"]).values()),
             decision_history=len(history),
             history_in_flight=sum(1 for r in history if r.get("outcome") == "in_flight"),
+            learner_samples=max(map(int, dict(learner["prefill_samples"]).values()), default=0),
+            learner_window=int(learner["refit_window"]),
         )
 
     def settled_books(self, timeout_s: float = 15.0) -> Books:

@@ -21,3 +21,7 @@ class ReplicasSettings:
     # before each decision: a burst's requests see each other across replicas. False: only
     # every publish_interval_s (the exchange before 2026-11-27; kept for comparison).
     publish_on_dispatch: bool = True
+    # Break placement ties (equal predicted TTFT, e.g. an idle fleet) in an order rotated by
+    # this replica's rank among ``bind`` + ``peers``: replicas deciding at the same instant,
+    # before either's dispatch reached the other, start on different instances.
+    rotate_ties: bool = True

@@ -335,6 +335,10 @@ class ServerSettings:
     # Fewer new observations than this since the last refit: no refit. Between this and
     # refit_min_samples the refit fits the analytic prefill form (3 coefficients) instead.
     refit_min_new_samples: int = 20
+    # A refit trains on the newest this many observations per profile (+ a measured profile's
+    # sweep): recent behaviour counts, and the learner's memory and a refit's cost stop growing
+    # once it is full (LightGBM's fit on 4,000 rows: ~60 ms in a worker thread).
+    refit_window: int = 4000
     recent_decisions: int = 1000  # kept for /admin/decisions and predictor accuracy
     max_body_bytes: int = 16 * 1024 * 1024
     tracing: TracingExporter = TracingExporter.OFF

@@ -16,7 +16,7 @@ import asyncio
 import statistics
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,10 +66,14 @@ class DecisionRecord:
 
 @dataclass(slots=True)
 class _Samples:
-    new: deque[int] = field(default_factory=lambda: deque(maxlen=20_000))
-    cached: deque[int] = field(default_factory=lambda: deque(maxlen=20_000))
-    seconds: deque[float] = field(default_factory=lambda: deque(maxlen=20_000))
+    new: deque[int]
+    cached: deque[int]
+    seconds: deque[float]
     total: int = 0  # observations ever made (the deques forget the oldest)
+
+    @classmethod
+    def window(cls, size: int) -> _Samples:
+        return cls(deque(maxlen=size), deque(maxlen=size), deque(maxlen=size))
 
 
 class Learner:
@@ -80,6 +84,7 @@ class Learner:
         min_samples: int,
         *,
         min_new_samples: int = 20,
+        window: int = 4000,
         prior: Mapping[str | None, PrefillSamples] | None = None,
     ) -> None:
         """``prior``: per profile key (as ``observe_prefill`` gets it), samples a refit starts
@@ -89,6 +94,7 @@ class Learner:
         self._by_id: dict[str, DecisionRecord] = {}
         self.min_samples = min_samples
         self.min_new_samples = min_new_samples
+        self.window = window  # the newest observations per profile a refit trains on
         self._prior = dict(prior or {})
         self._samples: dict[str | None, _Samples] = {}
         self._used: dict[str | None, int] = {}  # observations seen by the last refit, per key
@@ -125,6 +131,7 @@ class Learner:
             "tbt_samples": len(tbt),
             "tbt_mape_pct": round(statistics.fmean(tbt) * 100, 2) if tbt else None,
             "prefill_samples": {str(k): len(v.seconds) for k, v in self._samples.items()},
+            "refit_window": self.window,
             "refits": self.refits,
             "last_refit_kind": self.last_refit_kind,
             "last_refit_holdout_mape_pct": self.last_refit_mape_pct,
@@ -138,7 +145,9 @@ class Learner:
     ) -> None:
         if not seconds > 0:
             return  # a zero time cannot be fitted on relative error
-        s = self._samples.setdefault(profile, _Samples())
+        s = self._samples.get(profile)
+        if s is None:
+            s = self._samples[profile] = _Samples.window(self.window)
         s.new.append(new_tokens)
         s.cached.append(cached_tokens)
         s.seconds.append(seconds)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from backends import json_codec
 from config.settings import Settings
 from gateway.models import ModelRoute
 from routing.hashing import BlockHasher
@@ -145,7 +146,7 @@ def parse_head(raw: bytes, models: Mapping[str, ModelRoute] | None = None) -> Re
     """The JSON body, ``stream`` and the model's route; raises BadRequest (these are the
     first checks of ``parse_request``, in its order)."""
     try:
-        body = json.loads(raw)
+        body = json_codec.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("request body is not valid JSON") from None
     except RecursionError:

@@ -196,6 +196,7 @@ class ReplicaExchange:
         self._refilled = time.perf_counter()
         self._deferred: asyncio.TimerHandle | None = None
         self._hooked = False
+        self._endpoint: str | None = None
 
     def start(self) -> None:
         """Bind and connect now, so a taken port fails start-up with a clear message."""
@@ -214,11 +215,22 @@ class ReplicaExchange:
         for peer in self.cfg.peers:
             sub.connect(peer)  # ZMQ reconnects by itself while a peer is down
         self._pub, self._sub = pub, sub
+        self._endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         if self.publish_on_dispatch:
             self._hook_conductor()
+        if self.cfg.rotate_ties:
+            self.conductor.rotate_ties(self.rank)
         log.info(
             "replica %s publishes on %s, peers %s", self.replica_id, self.cfg.bind, self.cfg.peers
         )
+
+    @property
+    def rank(self) -> int:
+        """This replica's position among all the replicas' endpoints (its own + ``peers``,
+        sorted): the same list on every replica, so each gets its own rank without config.
+        Its own is the bound one once started (a ``*`` port resolved)."""
+        own = self._endpoint or self.cfg.bind
+        return sorted({own, *self.cfg.peers}).index(own)
 
     def snapshot(self, now: float, bye: bool = False) -> Snapshot:
         self._seq += 1

@@ -75,6 +75,7 @@ class Gateway:
             settings.server.recent_decisions,
             settings.server.refit_min_samples,
             min_new_samples=settings.server.refit_min_new_samples,
+            window=settings.server.refit_window,
             prior=self.measured_profiles.prior(),  # refits continue from the sweeps
         )
         # kvgate_pool_instances_needed: demand read each scrape round (gateway/capacity_loop.py)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from operator import attrgetter
 
 from config.settings import AdmissionMode, InstanceSettings, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
@@ -51,6 +52,8 @@ from routing.types import (
 
 PredictorFactory = Callable[[str | None], InstancePredictors]
 __all__ = ["Conductor", "PredictorFactory", "RequestRecord"]
+
+_BIT_ORDER = attrgetter("bit_order")
 
 
 class Conductor(RequestProgress):
@@ -175,8 +178,15 @@ class Conductor(RequestProgress):
         if now is not None:
             self._last_now = max(self._last_now, now)
         self.pools.refresh(self.instances.values())
-        both = [i for i in self.pools.fleet.prefill if i.role is Role.BOTH]
+        # Registration order for the policy's own grouping, whatever the pools' tie rotation.
+        both = sorted((i for i in self.pools.fleet.prefill if i.role is Role.BOTH), key=_BIT_ORDER)
         self.policy.on_fleet_change(both, self._last_now)
+
+    def rotate_ties(self, rotation: int) -> None:
+        """Break placement ties starting at the ``rotation``-th eligible instance of each
+        pool instead of the first (a gateway replica's rank: routing/fleet_pools.py)."""
+        self.pools.rotation = max(0, rotation)
+        self._refresh_pools()
 
     # ------------------------------------------------------------------ decisions
     def schedule(

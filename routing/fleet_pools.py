@@ -2,7 +2,9 @@
 
 Rebuilt by the Conductor whenever the fleet changes (an instance added, removed, drained,
 unhealthy or back), so that a decision reads two lists instead of filtering the fleet.
-Instances are kept in registration order (``bit_order``): policies break ties by it.
+Instances are kept in registration order (``bit_order``): policies break ties by it. A
+``rotation`` k starts every list at its k-th instance instead (wrapping around), so gateway
+replicas that decide at the same instant break their ties on different instances.
 """
 
 from __future__ import annotations
@@ -24,12 +26,20 @@ class ModelPools:
     has_decode_pool: bool = False
 
 
-class FleetPools:
-    __slots__ = ("_by_model", "fleet")
+def _rotated(items: list[InstanceState], k: int) -> list[InstanceState]:
+    if not items or not k:
+        return items
+    k %= len(items)
+    return items[k:] + items[:k]
 
-    def __init__(self) -> None:
+
+class FleetPools:
+    __slots__ = ("_by_model", "fleet", "rotation")
+
+    def __init__(self, rotation: int = 0) -> None:
         self.fleet = ModelPools()  # every model's instances together
         self._by_model: dict[str | None, ModelPools] = {}
+        self.rotation = rotation  # ties start at this position of each list (>= 0)
 
     def refresh(self, instances: Iterable[InstanceState]) -> None:
         ordered = sorted(instances, key=lambda i: i.bit_order)
@@ -47,6 +57,10 @@ class FleetPools:
                 pools.prefill.append(inst)
             elif inst.eligible and inst.role is Role.DECODE:
                 pools.decode.append(inst)
+        if self.rotation:
+            for pools in (fleet, *by_model.values()):
+                pools.prefill = _rotated(pools.prefill, self.rotation)
+                pools.decode = _rotated(pools.decode, self.rotation)
         self.fleet, self._by_model = fleet, by_model
 
     def for_model(self, model: str | None) -> ModelPools:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from operator import attrgetter
 from typing import ClassVar
 
 from config.settings import AdmissionMode
 from routing.estimates import PrefillOption
 from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, PolicyBase
-
-_BUSY_UNTIL = attrgetter("busy_until_s")
 
 
 def _argmin_ttft(
@@ -27,8 +24,9 @@ def _argmin_ttft(
     bounds: dict[int, float] = {}
     best: PrefillOption | None = None
     best_ttft = float("inf")
-    # Shortest queue first: a good option is found early and most others are pruned.
-    for inst in sorted(ctx.prefill_candidates, key=_BUSY_UNTIL):
+    # Shortest queue first: a good option is found early and most others are pruned. Idle
+    # instances count as equal (not by when they fell idle): their ties keep the pools' order.
+    for inst in sorted(ctx.prefill_candidates, key=lambda i: max(i.busy_until_s, now)):
         queue = inst.busy_until_s - now
         if best is not None:
             key = id(inst.predictors)

@@ -68,6 +68,8 @@ def test_soak_smoke(fleet: EmulatedFleet) -> None:
     assert samples["t_s"] == sorted(samples["t_s"])
     growth = rep["rss_growth"]
     assert growth["baseline_kb"] > 0 and growth["growth_pct"] is not None
+    # 4 s cannot fill a 4,000-observation learner window: the warm-up is not over.
+    assert growth["warmup_over"] is False and rep["targets_met"]["rss_growth_le_5pct"] is False
     assert rep["books_over_time"]["decision_history_max"] <= fleet.spec.recent_decisions
     assert rep["books_end"]["requests_in_flight"] == 0
     assert rep["books_end"]["history_in_flight"] == 0
@@ -96,9 +98,33 @@ def test_rss_growth_skips_the_warm_up() -> None:
         Sample(t, kb, None, 0.0, None, 0)
         for t, kb in zip([0, 10, 20, 50, 80, 99], kbs, strict=True)
     ]
-    g = rss_growth(run, total_s=100.0)
+    g = rss_growth(run, total_s=100.0, decision_bound=10)
     assert g["baseline_kb"] == 100_000 and g["end_kb"] == 103_000
     assert g["growth_pct"] == pytest.approx(3.0)
+    # No books: the structures were never seen full, so the warm-up is not known to be over.
+    assert g["warmup_over"] is False and g["filled_at_s"] is None
+
+
+def test_rss_growth_waits_for_the_bounded_structures() -> None:
+    """The warm-up lasts until the decision history and the learner's window are full."""
+    run = PhaseRun([Phase("1x", 1.0, 100.0)], [[]], [[]])
+    fills = [(2, 0), (10, 40), (10, 90), (10, 100), (10, 100), (10, 100)]  # (history, learner)
+    kbs = [50_000, 90_000, 100_000, 101_000, 102_000, 103_000]
+    run.samples = [
+        Sample(
+            t,
+            kb,
+            None,
+            0.0,
+            {"decision_history": h, "learner_samples": n, "learner_window": 100},
+            0,
+        )
+        for t, kb, (h, n) in zip([0, 10, 20, 50, 80, 99], kbs, fills, strict=True)
+    ]
+    g = rss_growth(run, total_s=100.0, decision_bound=10)
+    assert g["warmup_over"] is True and g["filled_at_s"] == 50
+    assert g["baseline_kb"] == 101_000 and g["growth_pct"] == pytest.approx(1.98)
+    assert g["fixed_20pct"]["baseline_kb"] == 100_000  # the 20 % alone, for comparison
 
 
 def test_kv_index_flat_needs_a_plateau() -> None:

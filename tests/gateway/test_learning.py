@@ -28,11 +28,11 @@ def sweep() -> list[SweepSample]:
     ]
 
 
-def settings(**predictors: object):
+def settings(server: dict[str, object] | None = None, **predictors: object):
     return settings_from_dict(
         {
             "predictors": dict(predictors),
-            "server": {"refit_interval_s": 0, "refit_min_new_samples": 5},
+            "server": {"refit_interval_s": 0, "refit_min_new_samples": 5, **(server or {})},
             "pools": [
                 {
                     "name": "p",
@@ -89,6 +89,28 @@ def test_refit_continues_from_the_measured_sweep() -> None:
     assert data is not None and len(data) == 8 + 5
     assert asyncio.run(learner.refit()) == 1
     assert learner.accuracy()["prior_samples"] == {"None": 8}
+
+
+def test_a_refit_trains_on_the_newest_window_of_observations() -> None:
+    cal = fit_profile(sweep(), name="mine", model="tiny")
+    learner = Learner(
+        Conductor(settings()),
+        100,
+        200,
+        min_new_samples=5,
+        window=6,
+        prior={None: cal.prefill_samples},
+    )
+    observe(learner, 10)
+    data = learner.training_set(None)
+    assert data is not None and len(data) == 8 + 6  # the sweep + the newest 6
+    assert data.new_tokens[8:].tolist() == [100 + 150 * i for i in range(4, 10)]
+    assert learner.accuracy()["prefill_samples"] == {"None": 6}
+
+
+def test_the_window_comes_from_config() -> None:
+    gw = Gateway(settings({"refit_window": 123}))
+    assert gw.learner.window == 123
 
 
 def test_enough_samples_train_lightgbm() -> None:

@@ -34,9 +34,16 @@ def _peer_prefills(c: Conductor) -> int:
     return sum(rid.startswith(PEER_PREFIX) for i in c.instances.values() for rid in i.prefill_queue)
 
 
-async def _pair(on_dispatch: bool) -> tuple[ReplicaExchange, ReplicaExchange, asyncio.Task]:
+async def _pair(
+    on_dispatch: bool, rotate_ties: bool = False
+) -> tuple[ReplicaExchange, ReplicaExchange, asyncio.Task]:
     """A publishes (on dispatch or not), B listens; both running, B already knows A."""
-    cfg = ReplicasSettings(enabled=True, bind="tcp://127.0.0.1:*", publish_interval_s=INTERVAL_S)
+    cfg = ReplicasSettings(
+        enabled=True,
+        bind="tcp://127.0.0.1:*",
+        publish_interval_s=INTERVAL_S,
+        rotate_ties=rotate_ties,
+    )
     a = ReplicaExchange(
         replace(cfg, replica_id="A"),
         make_conductor(prefill=2, decode=2),
@@ -152,6 +159,29 @@ def test_a_decision_in_the_same_loop_turn_sees_the_peers_dispatch() -> None:
     assert a_on != b_on
     a_off, b_off = asyncio.run(asyncio.wait_for(run(False), 30))
     assert a_off == b_off
+
+
+def test_replicas_deciding_at_the_same_instant_break_ties_on_different_instances() -> None:
+    """No exchange in time (publish on dispatch off, B's receiving task cannot run): on an idle
+    fleet both replicas see the same tie; with tie rotation (the default) their ranks differ,
+    so their first picks differ, prefill and decode; without it both take the first."""
+
+    async def run(rotate: bool) -> tuple[tuple[str, str], tuple[str, str], tuple[int, int]]:
+        a, b, task = await _pair(on_dispatch=False, rotate_ties=rotate)
+        b._unhook_conductor()
+        try:
+            now = time.monotonic()
+            da = _dispatch(a.conductor, "a1", 1, now)
+            db = _dispatch(b.conductor, "b1", 2, now)
+            return (da.prefill, db.prefill), (da.decode, db.decode), (a.rank, b.rank)
+        finally:
+            await _close(a, b, task)
+
+    (pa, pb), (da, db), ranks = asyncio.run(asyncio.wait_for(run(True), 30))
+    assert sorted(ranks) == [0, 1]
+    assert pa != pb and da != db
+    (pa, pb), (da, db), _ = asyncio.run(asyncio.wait_for(run(False), 30))
+    assert pa == pb and da == db
 
 
 def test_close_takes_the_hooks_off_the_conductor() -> None:

@@ -28,3 +28,22 @@ def test_colocated_fleet_and_unknown_model() -> None:
     # Instances without a model are filed under None; a named model with none is empty.
     assert c.pools.for_model("other").prefill == []
     assert FleetPools().for_model(None).prefill == []
+
+
+def test_rotation_starts_each_pool_at_its_position_and_wraps() -> None:
+    c = make_conductor(prefill=3, decode=2)
+    c.rotate_ties(4)
+    pools = c.pools.for_model(None)
+    assert [i.id for i in pools.prefill] == ["p1", "p2", "p0"]  # 4 mod 3
+    assert [i.id for i in pools.decode] == ["d0", "d1"]  # 4 mod 2
+    c.set_health("p0", False)  # kept through fleet changes, over the eligible ones
+    assert [i.id for i in c.pools.for_model(None).prefill] == ["p1", "p2"]  # 4 mod 2
+
+
+def test_rotation_leaves_the_policys_grouping_in_registration_order() -> None:
+    c = make_conductor(prefill=0, decode=0, colocated=3)
+    seen: list[list[str]] = []
+    c.policy.on_fleet_change = lambda insts, now: seen.append([i.id for i in insts])  # type: ignore[method-assign]
+    c.rotate_ties(1)
+    assert [i.id for i in c.pools.for_model(None).prefill] == ["c1", "c2", "c0"]
+    assert seen[-1] == ["c0", "c1", "c2"]
