@@ -168,7 +168,8 @@ def rss_growth(run: PhaseRun, total_s: float, decision_bound: int) -> dict[str, 
     """RSS growth after the warm-up (the last sample against the first one after it). The
     warm-up lasts the first 20 % of the run and until the bounded structures are full
     (``filled_at``); ``warmup_over`` False: they never filled, and the growth shown (after
-    the 20 %) still includes their filling. ``fixed_20pct``: the growth after the 20 % alone."""
+    the 20 %) still includes their filling (an upper bound on a leak's share).
+    ``fixed_20pct``: the growth after the 20 % alone."""
     fixed = WARMUP_FRACTION * total_s
     full = filled_at(run, decision_bound)
     out = _growth(run, max(fixed, full) if full is not None else fixed)

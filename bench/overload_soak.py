@@ -8,7 +8,8 @@ requests within the SLOs).
 
 * ``overload``: 1x for ``--minutes``, then 3x for ``--minutes``. Goodput (requests/s within
   the SLOs) of each phase and their ratio (target >= 0.9), how fast rejections are answered as
-  the client sees them (p50/p99, target p99 <= 5 ms), gateway RSS over time, books at the end.
+  the client sees them (p50/p99; target p99 <= 5 ms, judged on the probe below when it runs),
+  gateway RSS over time, books at the end.
 * ``--reject-probe``: alongside either mode, one sequential client in a child process
   (``bench.rejection_path --live``) sends ~4k-token prompts with ``x-slo-ttft-ms: 1`` every
   ``--probe-every-ms``; all are rejected, so it adds no engine work, and its latencies (per
@@ -17,8 +18,9 @@ requests within the SLOs).
 * ``soak``: 1x for ``--minutes``. Gateway RSS every ``--sample-s`` seconds and its growth after
   the warm-up (target <= 5 %): the first 20 % and until the gateway's slowest bounded
   structures are full (decision history, the learner's refit window; ``--refit-window``
-  sets the latter's size); KV index size and decision history over time (bounded), books at
-  the end (back to zero).
+  sets the latter's size; if they never fill, the growth after the 20 % is judged, their
+  filling included); KV index size and decision history over time (bounded), books at the
+  end (back to zero).
 
     python -m bench.overload_soak overload --minutes 5 --json out/overload.json
     python -m bench.overload_soak soak --minutes 30 --rate-1x 4 --json out/soak.json
@@ -291,14 +293,21 @@ async def run_mode(fleet: EmulatedFleet, args: argparse.Namespace) -> dict[str, 
     if args.mode == "overload":
         g1, g3 = summaries[0]["goodput_rps"], summaries[1]["goodput_rps"]
         ratio = round(g3 / g1, 3) if g1 and g3 is not None else None
-        p99 = summaries[1]["reject_ms"]["p99"]
+        # How fast the gateway answers a rejection: the probe's view when it ran (a client of
+        # its own, idle between sends), else the load client's, whose event loop, busy with
+        # 3x of streams, adds its own delay to what it measures.
+        probe = summaries[1].get("reject_probe_ms")
+        p99 = probe["all"]["p99"] if probe else summaries[1]["reject_ms"]["p99"]
         out["goodput_ratio_3x_1x"] = ratio
+        out["reject_p99_ms"] = {"value": p99, "source": "probe" if probe else "load client"}
         targets["goodput_ratio_ge_0.9"] = ratio is not None and ratio >= 0.9
         targets["reject_p99_le_5ms"] = p99 is not None and p99 <= 5.0
     else:
         rss = out["rss_growth"]
         growth = rss["growth_pct"]
-        targets["rss_growth_le_5pct"] = rss["warmup_over"] and growth is not None and growth <= 5.0
+        # Structures never full: the growth after the 20 % includes their filling, so it is
+        # an upper bound on the growth after the warm-up, and the target is judged on it.
+        targets["rss_growth_le_5pct"] = growth is not None and growth <= 5.0
         bounds = out["books_over_time"]
         targets["decision_history_bounded"] = (
             bounds.get("decision_history_max", 10**9) <= fleet.spec.recent_decisions

@@ -167,6 +167,7 @@ def _config(
             f"peers = [{peers}]",
             f"publish_interval_s = {args.publish_interval}",
             f"publish_on_dispatch = {'true' if on_dispatch else 'false'}",
+            f"rotate_ties = {'false' if args.no_rotate_ties else 'true'}",
         ]
     for role in ("prefill", "decode"):
         lines += ["[[pools]]", f'name = "{role}"', f'role = "{role}"']
@@ -330,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each replica count with snapshots on the interval only (no publish on "
         "dispatch: the exchange before it)",
+    )
+    p.add_argument(
+        "--no-rotate-ties",
+        action="store_true",
+        help="replicas break placement ties in registration order, all alike (before 2026-11-27)",
     )
     p.add_argument("--rounds", type=int, default=1, help="run every configuration this often")
     p.add_argument("--profile", default="llama3-8b-h100-tp1")

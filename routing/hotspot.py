@@ -107,6 +107,8 @@ class HotspotPlanner:
         self.in_flight[cmd.command_id] = InFlight(cmd)
         self._per_dest[destination] = self._per_dest.get(destination, 0) + 1
         self._pending.add((cmd.prefix_key, destination))
+        if len(self._cooldown_until) >= _MAX_TRACKED_PREFIXES:  # bounded: drop the expired
+            self._cooldown_until = {k: t for k, t in self._cooldown_until.items() if t > now}
         self._cooldown_until[cmd.prefix_key] = now + self.settings.cooldown_s
         self.issued += 1
         return cmd

@@ -18,6 +18,7 @@ def _args() -> argparse.Namespace:
         admission="predictive",
         profile="llama3-8b-h100-tp1",
         publish_interval=0.05,
+        no_rotate_ties=False,
     )
 
 
@@ -31,6 +32,11 @@ def test_replica_configs_validate_with_and_without_the_exchange() -> None:
     assert on.replicas.enabled and on.replicas.peers == ("tcp://127.0.0.1:45305",)
     assert [i.id for i in on.instances()] == ["p0", "d0"]
     assert on.instances()[0].kv_events_endpoint == "tcp://127.0.0.1:45301"
+    assert on.replicas.rotate_ties
+    unrotated = _config(
+        argparse.Namespace(**{**vars(_args()), "no_rotate_ties": True}), engines, 45306, "r0", ex
+    )
+    assert not settings_from_dict(tomllib.loads(unrotated)).replicas.rotate_ties
     off = settings_from_dict(tomllib.loads(_config(_args(), engines, 45306, "r0", {})))
     assert not off.replicas.enabled
 

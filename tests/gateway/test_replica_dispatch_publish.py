@@ -17,6 +17,7 @@ from gateway.replica_exchange import ReplicaExchange, decode, encode
 from routing.conductor import Conductor
 from routing.replica_load import PEER_PREFIX
 from routing.types import Decision
+from tests.real.engines import free_ports
 from tests.routing.fleet import make_conductor, prompt, request
 
 INTERVAL_S = 5.0  # far longer than the tests wait: only a dispatch can publish in time
@@ -162,23 +163,44 @@ def test_a_decision_in_the_same_loop_turn_sees_the_peers_dispatch() -> None:
 
 
 def test_replicas_deciding_at_the_same_instant_break_ties_on_different_instances() -> None:
-    """No exchange in time (publish on dispatch off, B's receiving task cannot run): on an idle
-    fleet both replicas see the same tie; with tie rotation (the default) their ranks differ,
-    so their first picks differ, prefill and decode; without it both take the first."""
+    """Two replicas that name each other, with nothing exchanged yet: on an idle fleet both
+    see the same tie; with tie rotation (the default) their ranks differ, so their first picks
+    differ, prefill and decode; without it both take the first."""
+    ports = free_ports(2, lo=20960, hi=20999)  # the replica tests' range (bench/replicas.py)
+    eps = [f"tcp://127.0.0.1:{port}" for port in ports]
 
-    async def run(rotate: bool) -> tuple[tuple[str, str], tuple[str, str], tuple[int, int]]:
-        a, b, task = await _pair(on_dispatch=False, rotate_ties=rotate)
-        b._unhook_conductor()
+    async def run(rotate: bool) -> tuple[tuple[str, str], tuple[str, str], list[int]]:
+        exchanges = [
+            ReplicaExchange(
+                ReplicasSettings(
+                    enabled=True,
+                    replica_id=f"r{k}",
+                    bind=eps[k],
+                    peers=(eps[1 - k],),
+                    publish_on_dispatch=False,
+                    rotate_ties=rotate,
+                ),
+                make_conductor(prefill=2, decode=2),
+                time.monotonic,
+            )
+            for k in (0, 1)
+        ]
         try:
+            for ex in exchanges:
+                ex.start()
             now = time.monotonic()
-            da = _dispatch(a.conductor, "a1", 1, now)
-            db = _dispatch(b.conductor, "b1", 2, now)
-            return (da.prefill, db.prefill), (da.decode, db.decode), (a.rank, b.rank)
+            d = [_dispatch(ex.conductor, f"r{k}", k, now) for k, ex in enumerate(exchanges)]
+            return (
+                (d[0].prefill, d[1].prefill),
+                (d[0].decode, d[1].decode),
+                [ex.rank for ex in exchanges],
+            )
         finally:
-            await _close(a, b, task)
+            for ex in exchanges:
+                ex.close()
 
     (pa, pb), (da, db), ranks = asyncio.run(asyncio.wait_for(run(True), 30))
-    assert sorted(ranks) == [0, 1]
+    assert ranks == [0, 1]  # ports in ascending order: the endpoints sort the same way
     assert pa != pb and da != db
     (pa, pb), (da, db), _ = asyncio.run(asyncio.wait_for(run(False), 30))
     assert pa == pb and da == db

@@ -133,3 +133,37 @@ def test_sliding_window_quantile_equals_sorting_the_last_values(
         w.add(v)
         last = values[max(0, i + 1 - size) : i + 1]
         assert len(w) == len(last) and w.quantile(q) == quantile(last, q)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    obs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5000)), min_size=1, max_size=80),
+    history=st.integers(1, 6),
+    q=st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0]),
+)
+def test_per_key_estimates_equal_the_quantile_of_each_keys_last_outputs(
+    obs: list[tuple[int, int]], history: int, q: float
+) -> None:
+    """A key seen once is kept as a bare int, promoted to a window when it comes back: the
+    estimates are those of one window per key from the start."""
+    p = make(history=history, quantile=q)
+    seen: dict[int, list[int]] = {}
+    for key, out in obs:
+        p.observe(key, out)
+        seen.setdefault(key, []).append(out)
+        assert p.predict(key, 10**6) == max(1, quantile(seen[key][-history:], q))
+
+
+def test_a_key_seen_once_costs_a_fraction_of_a_window() -> None:
+    import tracemalloc
+
+    p = make(history=64)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for key in range(5000):
+            p.observe(10**12 + key, 64 + key % 100)
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / 5000
+    finally:
+        tracemalloc.stop()
+    assert per_key < 300  # ~120 B; a window per key was ~1,070 B

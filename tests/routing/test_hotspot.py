@@ -100,3 +100,17 @@ def test_pull_falls_back_to_recompute_when_destination_is_at_its_cap() -> None:
     d = c.schedule(request("r", prompt(7, 256)), 0.0)
     assert isinstance(d, Decision)
     assert d.prefill == "p1" and d.pull_source is None and d.cached_tokens == 0
+
+
+def test_cooldowns_stay_bounded(monkeypatch) -> None:
+    """Each issued copy starts a cooldown for its prefix; expired ones are dropped once the
+    table reaches its bound, so a long run does not keep one entry per prefix ever copied."""
+    import routing.hotspot as hotspot
+
+    monkeypatch.setattr(hotspot, "_MAX_TRACKED_PREFIXES", 4)
+    p = planner(max_in_flight=100, max_in_flight_per_destination=100, cooldown_s=1.0)
+    for i in range(10):
+        cmd = p.reactive(request(f"r{i}", prompt(i, 8)), "a", "x", 0, 8, 10.0 * i)
+        assert cmd is not None
+        p.complete(cmd.command_id, True, 10.0 * i)
+    assert len(p._cooldown_until) <= 4

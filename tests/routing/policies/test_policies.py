@@ -126,3 +126,17 @@ def test_default_decode_choice_is_lowest_predicted_tbt() -> None:
         c.instances["d2"].add_incoming(DecodeWork(f"b{i}", 2000, 100, 0.0))
         c.instances["d2"].start_decode(f"b{i}", 0.0)
     assert place(c, "r", prompt(1, 8)).decode == "d1"
+
+
+def test_kvcache_centric_breaks_ties_among_idle_instances_in_pool_order() -> None:
+    """Instances that fell idle at different times are equally idle now: the tie goes to the
+    pools' order (a replica's rotation), not to whichever fell idle first."""
+    c = make_conductor(policy="kvcache_centric", prefill=3)
+    busy(c, "p0", 5.0)  # idle again from t=5
+    busy(c, "p1", 3.0)  # from t=3
+    busy(c, "p2", 4.0)
+    assert place(c, "a", prompt(1, 4), now=10.0).prefill == "p0"
+    c.rotate_ties(1)
+    assert place(c, "b", prompt(2, 4), now=10.0).prefill == "p1"
+    c.rotate_ties(2)
+    assert place(c, "c", prompt(3, 4), now=10.0).prefill == "p2"
