@@ -36,10 +36,10 @@ def _rotated(items: list[InstanceState], k: int) -> list[InstanceState]:
 class FleetPools:
     __slots__ = ("_by_model", "fleet", "rotation")
 
-    def __init__(self, rotation: int = 0) -> None:
+    def __init__(self) -> None:
         self.fleet = ModelPools()  # every model's instances together
         self._by_model: dict[str | None, ModelPools] = {}
-        self.rotation = rotation  # ties start at this position of each list (>= 0)
+        self.rotation = 0  # ties start at this position of each list (Conductor.rotate_ties)
 
     def refresh(self, instances: Iterable[InstanceState]) -> None:
         ordered = sorted(instances, key=lambda i: i.bit_order)
