@@ -95,13 +95,16 @@ def rejection_response(rej: Rejection, request_id: str) -> tuple[int, bytes, lis
 
 
 def decision_headers(d: Decision, request_id: str) -> list[tuple[bytes, bytes]]:
-    return [
+    headers = [
         (b"x-request-id", request_id.encode()),
         (b"x-kvgate-prefill", d.prefill.encode()),
         (b"x-kvgate-decode", d.decode.encode()),
         (b"x-kvgate-predicted-ttft-ms", f"{d.predicted_ttft_s * 1e3:.1f}".encode()),
         (b"x-kvgate-predicted-tbt-ms", f"{d.predicted_tbt_s * 1e3:.2f}".encode()),
     ]
+    if d.best_effort:  # served although the predicted TTFT misses the SLO (the client knows)
+        headers.append((b"x-kvgate-admission", b"best-effort"))
+    return headers
 
 
 async def send_upstream_error(send: Send, exc: UpstreamError, rid: str) -> None:

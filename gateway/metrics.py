@@ -31,6 +31,12 @@ class GatewayMetrics:
             ["reason", "priority"],
             registry=r,
         )
+        self.best_effort = Counter(
+            "kvgate_best_effort_admissions",
+            "Requests admitted without the TTFT promise: no instance could meet the TTFT SLO "
+            "even idle, and the fleet had idle capacity (admission.best_effort)",
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvgate_ttft_seconds",
             "Observed time to first token",

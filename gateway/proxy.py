@@ -181,6 +181,8 @@ class CompletionHandler:
         """What only reports need; runs while the engine works, off the time to first token."""
         gw = self.gw
         gw.metrics.decision.observe(decision_s)
+        if d.best_effort:
+            gw.metrics.best_effort.inc()
         gw.learner.record(record)
 
     async def _refuse_draining(self, send: Send, request_id: str) -> None:

@@ -7,6 +7,9 @@
   reaches decode (Mooncake §4.2.6.3), which damps the prefill/decode load oscillation; the
   forecast counts the requests already on their way there but is never taken below today's
   TBT by predicted departures (routing/decode_placement.py ``predictive_tbt`` says why).
+- best effort (``admission.best_effort``, with early and predictive): a request that misses
+  the TTFT SLO even on an idle instance may be served late when the fleet is idle enough
+  and such prompts pay for themselves (routing/best_effort.py).
 - ``peer``: no SLO check; the overload control the placement policy's own system ships with
   (SMG limiter, GIE saturation detector, Dynamo busy thresholds:
   routing/policies/peer_overload.py), for comparing peers as they defend themselves.
@@ -100,14 +103,17 @@ class Admission:
         ttft_s: float,
         tbt_s: float,
         tbt_retry_s: float,
+        ttft_promised: bool = True,
     ) -> Rejection | None:
-        """``tbt_s`` is the current TBT for ``early`` and the forecast for ``predictive``."""
+        """``tbt_s`` is the current TBT for ``early`` and the forecast for ``predictive``.
+        ``ttft_promised=False``: a best-effort admission (routing/best_effort.py), judged on
+        the TBT only."""
         s = self.settings
         if s.mode in (AdmissionMode.NONE, AdmissionMode.PEER):
             return None
         ttft_pred = ttft_s * s.ttft_margin
         limit = slo.ttft_limit_s
-        if ttft_pred > limit:
+        if ttft_promised and ttft_pred > limit:
             return Rejection(
                 req.request_id,
                 RejectReason.TTFT_SLO,

@@ -26,6 +26,7 @@ from routing.admission import (
     resolve_slo,
     unavailable_rejection,
 )
+from routing.best_effort import BestEffort
 from routing.conditional_disagg import local_prefill
 from routing.decode_placement import place_decode
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
@@ -76,6 +77,7 @@ class Conductor(RequestProgress):
         self.requests: dict[str, RequestRecord] = {}
         self._event_fed: set[str] = set()  # instances whose engine sends KV events
         self.stats = DecisionStats()
+        self.best_effort = BestEffort(settings.admission.best_effort)
         self._order = 0
         self.pools = FleetPools()
         self._last_now = 0.0  # the latest time seen, for fleet changes made without one
@@ -100,6 +102,7 @@ class Conductor(RequestProgress):
         old = getattr(self, "settings", None)
         self.settings = settings
         self.admission = Admission(settings.admission)
+        self.best_effort.reconfigure(settings.admission.best_effort)
         # A model's own SLO replaces the global one for its requests (priority classes apply).
         self._model_slo = {
             m.name: replace(
@@ -255,10 +258,16 @@ class Conductor(RequestProgress):
         if routing.conditional_disagg and decode is not prefill:
             option = local_prefill(req, decode, option, slo, now) or option
             prefill = option.instance
+        late = False
         if self.admission.mode is AdmissionMode.PEER:
             rejection = self.admission.check_peer(self.policy, ctx, self.settings.routing.seed)
         else:
-            rejection = self.admission.check(req, slo, option.ttft_s, tbt_check, retry_s)
+            late = self.best_effort.review(
+                req, option, slo, self.settings.admission, prefill_pool, now
+            )
+            rejection = self.admission.check(
+                req, slo, option.ttft_s, tbt_check, retry_s, ttft_promised=not late
+            )
         if rejection is not None:
             self._count_rejection(rejection)
             return rejection
@@ -268,6 +277,7 @@ class Conductor(RequestProgress):
         )
         self.stats.replications += len(replications)
         self.stats.decisions += 1
+        self.stats.best_effort += late
         return Decision(
             request_id=req.request_id,
             prefill=prefill.id,
@@ -288,6 +298,7 @@ class Conductor(RequestProgress):
             slo_tbt_s=slo.tbt_s,
             replications=replications,
             pull_source=option.pull_source,
+            best_effort=late,
         )
 
     def _reject_unavailable(
@@ -340,6 +351,7 @@ class Conductor(RequestProgress):
             self.planner.drop(cmd.command_id)
         self.stats.replications -= len(decision.replications)
         self.stats.decisions -= 1
+        self.stats.best_effort -= decision.best_effort
         self._count_rejection(rejection)
 
     # ------------------------------------------------------------------ events

@@ -121,6 +121,7 @@ class Decision:
     slo_tbt_s: float
     replications: tuple[ReplicationCommand, ...] = ()
     pull_source: str | None = None  # holder the prefix is pulled from, if any
+    best_effort: bool = False  # admitted without the TTFT promise (routing/best_effort.py)
 
 
 class RejectReason(StrEnum):
@@ -155,6 +156,7 @@ class DecisionStats:
     """Counters the Conductor keeps for reports and metrics (mutable, owned by the Conductor)."""
 
     decisions: int = 0
+    best_effort: int = 0  # decisions admitted best effort (also counted in ``decisions``)
     rejections: dict[str, int] = field(default_factory=dict)
     transfers: int = 0
     replications: int = 0

@@ -204,6 +204,8 @@ class Picker:
             gw.drain.leave(rid)
             raise
         gw.learner.record(record)
+        if decision.best_effort:
+            gw.metrics.best_effort.inc()
         return Flight(parsed, decision, record, endpoints, decision_headers(decision, rid))
 
     async def _replicate(self, path: str, parsed: ParsedRequest, d: Decision) -> None:

@@ -92,6 +92,7 @@ async def send_one(
             out.decode_instance = resp.headers.get("x-kvgate-decode")
             pred = resp.headers.get("x-kvgate-predicted-ttft-ms")
             out.predicted_ttft_s = float(pred) / 1000 / scale if pred else None
+            out.best_effort = resp.headers.get("x-kvgate-admission") == "best-effort"
             async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
                 n = count_stream_tokens(chunk)

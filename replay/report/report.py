@@ -7,6 +7,10 @@ Definitions used by :func:`summarize` (``n`` = number of requests in the run):
   were later ``REJECTED_AFTER_PREFILL`` or ``FAILED``.
 * ``rejected_after_prefill``: outcome ``REJECTED_AFTER_PREFILL`` (prefill work wasted);
   ``wasted_prefill_ratio`` = rejected_after_prefill / admitted.
+* ``best_effort_admitted``: admitted without the TTFT promise (``RequestOutcome.best_effort``,
+  routing/best_effort.py), ``best_effort_slo_met`` of them met both SLOs anyway;
+  ``admitted_slo_miss_ratio`` = (admitted - slo_met) / admitted counts them, and
+  ``promised_slo_miss_ratio`` is the same share over the other admitted requests only.
 * ``rejections_by_reason``: counts keyed ``"before_prefill:<reason>"`` (``REJECTED``) and
   ``"after_prefill:<reason>"`` (``REJECTED_AFTER_PREFILL``); an empty reason is ``"unknown"``.
 * ``goodput_rps``: requests meeting both SLOs (:meth:`RequestOutcome.meets_slo`) / duration_s;
@@ -129,6 +133,9 @@ def summarize(run: RunResult, *, bucket_s: float = 10.0) -> dict[str, Any]:
         tbt_source = "requests" if with_tbt else None
     tbt_total = sum(tbt_w)
 
+    late = [r for r in reqs if r.best_effort]
+    late_good = sum(r.meets_slo(run.ttft_slo_s, run.tbt_slo_s) for r in late)
+
     reasons: Counter[str] = Counter()
     for r in reqs:
         if r.outcome is Outcome.REJECTED:
@@ -161,6 +168,13 @@ def summarize(run: RunResult, *, bucket_s: float = 10.0) -> dict[str, Any]:
         "wasted_prefill_ratio": _ratio(after, admitted),
         # admitted, then missed an SLO anyway (incl. refused after prefill, failed)
         "admitted_slo_miss_ratio": _ratio(admitted - good, admitted),
+        # served without the TTFT promise (routing/best_effort.py), and how many met it anyway
+        "best_effort_admitted": len(late),
+        "best_effort_slo_met": late_good,
+        # the admitted-then-missed share among requests admitted with the full promise
+        "promised_slo_miss_ratio": _ratio(
+            admitted - len(late) - (good - late_good), admitted - len(late)
+        ),
         "rejections_by_reason": dict(sorted(reasons.items())),
         "ttft_slo_s": run.ttft_slo_s,
         "tbt_slo_s": run.tbt_slo_s,

@@ -37,6 +37,7 @@ class RequestOutcome:
     predicted_tbt_s: float | None = None  # the decode forecast admission checked
     predicted_output_tokens: int | None = None
     transferred_bytes: float = 0.0  # prefix pulls for this request
+    best_effort: bool = False  # admitted without the TTFT promise (routing/best_effort.py)
 
     def meets_slo(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         """Completed, first token within the TTFT SLO, mean TBT within the TBT SLO."""

@@ -106,12 +106,21 @@ def base_settings(args: argparse.Namespace) -> Settings:
         params = {**routing.params, **parse_params(args.param)}
         routing = replace(routing, params=frozen_mapping(params))
     replication = replace(settings.replication, enabled=args.replication == "on")
+    admission = settings.admission
+    if getattr(args, "best_effort", None):
+        best_effort = replace(admission.best_effort, enabled=args.best_effort == "on")
+        admission = replace(admission, best_effort=best_effort)
     predictors = settings.predictors
     if getattr(args, "link_gbps", None) is not None:
         # Sets the Conductor's transfer predictor and the simulated network alike.
         predictors = replace(predictors, link_bandwidth_gbps=args.link_gbps)
     return replace(
-        settings, slo=slo, routing=routing, replication=replication, predictors=predictors
+        settings,
+        slo=slo,
+        routing=routing,
+        replication=replication,
+        predictors=predictors,
+        admission=admission,
     )
 
 
@@ -253,6 +262,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         default="on",
         help="proactive hot-prefix replication (default on)",
+    )
+    p.add_argument(
+        "--best-effort",
+        choices=["on", "off"],
+        help="admission.best_effort.enabled: serve late, when the fleet is idle enough, a "
+        "prompt that misses the TTFT SLO even on an idle instance (default: the config's, on)",
     )
     p.add_argument(
         "--ttft-after-transfer",

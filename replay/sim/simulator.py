@@ -169,6 +169,7 @@ class Simulator:
         out.predicted_ttft_s = decision.predicted_ttft_s
         out.predicted_tbt_s = decision.predicted_tbt_s
         out.predicted_output_tokens = decision.predicted_output_tokens
+        out.best_effort = decision.best_effort
         pull = None
         for cmd in decision.replications:
             if cmd.request_id == rid:

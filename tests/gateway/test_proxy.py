@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import aiohttp
@@ -12,49 +14,60 @@ from gateway.stack import LiveStack, StackSpec
 from tests.backends.test_drivers import StubEngine
 
 
-def test_rejection_is_fast_shaped_and_touches_no_engine() -> None:
-    async def run():
-        p, d = StubEngine("prefill"), StubEngine("decode")
-        p.partner = d
-        purl, durl = await p.start(), await d.start()
-        import uvicorn
+@contextlib.asynccontextmanager
+async def _tiny_slo_gateway(best_effort: bool) -> AsyncIterator[tuple[str, list]]:
+    """A gateway in front of two stub engines with a TTFT SLO nothing can meet; yields its
+    url and the list of requests the engines saw."""
+    import uvicorn
 
-        from config.loader import settings_from_dict
-        from gateway.app import build_app
+    from config.loader import settings_from_dict
+    from gateway.app import build_app
 
-        settings = settings_from_dict(
-            {
-                "slo": {"ttft_s": 0.0001},  # nothing can meet it
-                "admission": {"mode": "early"},
-                "server": {"health_interval_s": 30.0, "refit_interval_s": 0},
-                "pools": [
-                    {"name": "p", "role": "prefill", "instances": [{"id": "p0", "url": purl}]},
-                    {"name": "d", "role": "decode", "instances": [{"id": "d0", "url": durl}]},
-                ],
-            }
-        )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                build_app(settings), host="127.0.0.1", port=0, log_level="warning", lifespan="on"
-            )
-        )
-        task = asyncio.create_task(server.serve())
+    p, d = StubEngine("prefill"), StubEngine("decode")
+    p.partner = d
+    purl, durl = await p.start(), await d.start()
+    settings = settings_from_dict(
+        {
+            "slo": {"ttft_s": 0.0001},  # nothing can meet it
+            "admission": {"mode": "early", "best_effort": {"enabled": best_effort}},
+            "server": {"health_interval_s": 30.0, "refit_interval_s": 0},
+            "pools": [
+                {"name": "p", "role": "prefill", "instances": [{"id": "p0", "url": purl}]},
+                {"name": "d", "role": "decode", "instances": [{"id": "d0", "url": durl}]},
+            ],
+        }
+    )
+    config = uvicorn.Config(
+        build_app(settings), host="127.0.0.1", port=0, log_level="warning", lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    seen: list = []
+    try:
         while not server.started:
             await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", seen
+    finally:
+        server.should_exit = True
+        await task
+        seen.extend(p.seen + d.seen)
+        await p.server.close()
+        await d.server.close()
+
+
+def test_rejection_is_fast_shaped_and_touches_no_engine() -> None:
+    async def run():
         last = None
-        async with aiohttp.ClientSession() as s:
+        async with (
+            _tiny_slo_gateway(best_effort=False) as (url, seen),
+            aiohttp.ClientSession() as s,
+        ):
             for _ in range(30):
                 async with s.post(
                     url + "/v1/completions", json={"prompt": "hello " * 50, "max_tokens": 8}
                 ) as r:
-                    body = await r.json()
-                    last = (r.status, dict(r.headers), body)
-        server.should_exit = True
-        await task
-        await p.server.close()
-        await d.server.close()
-        return last, p.seen + d.seen
+                    last = (r.status, dict(r.headers), await r.json())
+        return last, seen
 
     (status, headers, body), engine_requests = asyncio.run(run())
     assert status == 429
@@ -66,6 +79,29 @@ def test_rejection_is_fast_shaped_and_touches_no_engine() -> None:
     assert body["error"]["code"] == "ttft_slo"
     assert engine_requests == []
     # How fast: bench/rejection_path.py and bench/overload_soak.py --reject-probe (not timed here).
+
+
+def test_an_idle_fleet_serves_a_doomed_request_best_effort_and_says_so() -> None:
+    """The same request with admission.best_effort on (the default): the fleet is idle, so it
+    is served late instead of rejected; the answer and the metrics say it was best effort."""
+
+    async def run():
+        gateway = _tiny_slo_gateway(best_effort=True)
+        async with gateway as (url, seen), aiohttp.ClientSession() as s:
+            async with s.post(
+                url + "/v1/completions", json={"prompt": "hello " * 50, "max_tokens": 8}
+            ) as r:
+                answer = (r.status, dict(r.headers), await r.read())
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
+        return answer, metrics, seen
+
+    (status, headers, body), metrics, engine_requests = asyncio.run(run())
+    assert status == 200, body
+    assert headers["x-kvgate-admission"] == "best-effort"
+    assert float(headers["x-kvgate-predicted-ttft-ms"]) > 0.1  # it misses, and says by how much
+    assert "kvgate_best_effort_admissions_total 1.0" in metrics
+    assert engine_requests  # it reached the engines
 
 
 def _spec(**kw) -> StackSpec:

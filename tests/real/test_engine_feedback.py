@@ -1,5 +1,6 @@
 """kvgate in front of one real llama-server (``-np 2 --cache-ram 0``): its metrics are
-understood (running/waiting, the slot layout as KV capacity), a prompt longer than the context
+understood (running/waiting, the slot layout as KV capacity), a prompt too long for the TTFT SLO
+is served best effort on the idle engine, a prompt longer than the context
 gets the engine's 400 and leaves nothing in the cache view, the engine's cached-token reports
 keep kvgate's hit ratio close to the engine's own, and slot affinity (``id_slot``) keeps a hot
 prefix from evicting the other slot's.
@@ -54,13 +55,17 @@ def llama(llamacpp_install: EngineInstall) -> Iterator[EngineProcess]:
     stop_engine(proc)
 
 
-def _settings(engine: EngineProcess, slot_affinity: bool = True) -> Settings:
+def _settings(
+    engine: EngineProcess, slot_affinity: bool = True, ttft_slo_s: float | None = None
+) -> Settings:
     base = Settings()
     inst = InstanceSettings("l0", engine.url, Role.BOTH, engine=EngineKind.LLAMACPP)
+    mode = AdmissionMode.NONE if ttft_slo_s is None else AdmissionMode.EARLY
     return replace(
         base,
+        slo=base.slo if ttft_slo_s is None else replace(base.slo, ttft_s=ttft_slo_s),
         routing=replace(base.routing, block_size=16, llamacpp_slot_affinity=slot_affinity),
-        admission=replace(base.admission, mode=AdmissionMode.NONE),
+        admission=replace(base.admission, mode=mode),
         pools=(PoolSettings("llama", Role.BOTH, (inst,)),),
         server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),
     )
@@ -68,9 +73,9 @@ def _settings(engine: EngineProcess, slot_affinity: bool = True) -> Settings:
 
 @asynccontextmanager
 async def _gateway(
-    engine: EngineProcess, slot_affinity: bool = True
+    engine: EngineProcess, slot_affinity: bool = True, ttft_slo_s: float | None = None
 ) -> AsyncIterator[tuple[GatewayApp, str]]:
-    app = build_app(_settings(engine, slot_affinity))
+    app = build_app(_settings(engine, slot_affinity, ttft_slo_s))
     (port,) = free_ports(1, 18350, 18400)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -129,6 +134,28 @@ def test_metrics_and_slot_capacity_are_understood(llama: EngineProcess) -> None:
     assert (load.slots, load.capacity_tokens) == (2, 2 * SLOT_CTX)
     assert capacity == 2 * SLOT_CTX  # the engine's, not the H100 profile's
     assert 'kvgate_engine_metrics_understood{instance="l0"} 1.0' in metrics
+
+
+def test_an_idle_engine_serves_a_prompt_too_long_for_the_slo_best_effort(
+    llama: EngineProcess,
+) -> None:
+    """A 1 ms TTFT SLO that no prompt can meet: on the idle engine the request is served best
+    effort (the engine answers it; the gateway says so) instead of a 429 nobody benefits from."""
+
+    async def run() -> tuple[int, dict[str, str], dict[str, Any], str]:
+        gateway = _gateway(llama, ttft_slo_s=0.001)
+        async with gateway as (_, url), aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": _ids(7, 600), "max_tokens": 2}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                answer = r.status, dict(r.headers), await r.json()
+            async with s.get(url + "/metrics") as r:
+                return *answer, await r.text()
+
+    status, headers, body, metrics = asyncio.run(run())
+    assert status == 200, body
+    assert headers["x-kvgate-admission"] == "best-effort"
+    assert body["usage"]["prompt_tokens"] == 600  # the engine ran the prompt
+    assert "kvgate_best_effort_admissions_total 1.0" in metrics
 
 
 def test_a_prompt_longer_than_the_context_leaves_nothing_recorded(llama: EngineProcess) -> None:

@@ -115,6 +115,19 @@ def test_counts_and_rates() -> None:
     assert s["replicated_bytes"] == 5e5
 
 
+def test_best_effort_admissions_are_counted_apart() -> None:
+    run = sample_run()
+    s = summarize(run)
+    assert (s["best_effort_admitted"], s["best_effort_slo_met"]) == (0, 0)
+    assert s["promised_slo_miss_ratio"] == s["admitted_slo_miss_ratio"] == pytest.approx(4 / 6)
+    run.requests[2].best_effort = True  # r3: served late, missed its TTFT (as predicted)
+    run.requests[0].best_effort = True  # r1: served late, made it anyway
+    s = summarize(run)
+    assert (s["best_effort_admitted"], s["best_effort_slo_met"]) == (2, 1)
+    assert s["admitted_slo_miss_ratio"] == pytest.approx(4 / 6)  # every admitted request
+    assert s["promised_slo_miss_ratio"] == pytest.approx(3 / 4)  # 4 promised, only r2 met
+
+
 def test_ttft_stats_over_completed_only() -> None:
     s = summarize(sample_run())
     # completed TTFTs sorted: 0.5, 1.0, 1.5, 3.0 (0.7 of the rejected-after-prefill excluded)

@@ -140,3 +140,20 @@ def test_policy_params_and_link_bandwidth(trace: Path, tmp_path: Path) -> None:
     assert main(args) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["policy"] == "rolling_activation" and run["requests"] == 150
+
+
+def test_best_effort_switch(trace: Path, tmp_path: Path) -> None:
+    """A TTFT SLO shorter than the longer prompts' prefill: served late with best effort on
+    (counted apart in the report), rejected with it off."""
+    runs = {}
+    for switch in ("on", "off"):
+        out = tmp_path / f"{switch}.json"
+        args = ["sim", str(trace), "--prefill", "2", "--decode", "2", "--quiet"]
+        args += ["--profile", "llama3-8b-h100-tp1", "--policy", "kvcache_centric"]
+        args += ["--admission", "early", "--ttft-slo", "0.02", "--best-effort", switch]
+        assert main([*args, "--json", str(out)]) == 0
+        runs[switch] = json.loads(out.read_text())["runs"][0]
+    on, off = runs["on"], runs["off"]
+    assert on["best_effort_admitted"] > 0 and off["best_effort_admitted"] == 0
+    assert on["rejected"] < off["rejected"]
+    assert on["promised_slo_miss_ratio"] <= on["admitted_slo_miss_ratio"]
