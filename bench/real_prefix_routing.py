@@ -80,6 +80,7 @@ class RunResult:
     split: Counter[str] = field(default_factory=Counter)
     wall_s: float = 0.0
     gateway_metrics: dict[str, float] = field(default_factory=dict)
+    predictors: dict[str, Any] = field(default_factory=dict)  # /admin/predictors at the end
     # (system prompt index, prompt tokens, cached tokens) per completed request
     per_request: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -113,6 +114,7 @@ class RunResult:
             "wall_s": self.wall_s,
             "split": dict(sorted(self.split.items())),
             "gateway_metrics": self.gateway_metrics,
+            "predictors": self.predictors,
         }
 
 
@@ -179,6 +181,11 @@ async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: 
         out.wall_s = time.perf_counter() - t0
         async with session.get(f"{url}/metrics") as resp:
             text = await resp.text()
+        auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with session.get(f"{url}/admin/predictors", headers=auth) as resp:
+            learned = await resp.json()
+    # whether the online refits ran, and the gateway's own TTFT error over the run
+    out.predictors = {k: learned.get(k) for k in ("refits", "last_refit_kind", "ttft_mape_pct")}
     for line in text.splitlines():
         if line.startswith(("kvgate_cache_hit_ratio", "kvgate_engine_cache_hit_ratio")):
             name, _, value = line.rpartition(" ")
@@ -186,14 +193,23 @@ async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: 
     return out
 
 
+ADMIN_TOKEN = "bench-local"  # loopback only: the run reads /admin/predictors
+
+
 def gateway_config(
-    engines: list[EngineProcess], policy: str, port: int, extra: str, model_dir: str | None
+    engines: list[EngineProcess],
+    policy: str,
+    port: int,
+    extra: str,
+    model_dir: str | None,
+    refit_interval_s: float = 0.0,
 ) -> str:
     lines = [
         "[server]",
         'host = "127.0.0.1"',
         f"port = {port}",
-        "refit_interval_s = 0",
+        f"refit_interval_s = {refit_interval_s}",
+        f'admin_token = "{ADMIN_TOKEN}"',
         "[routing]",
         f'policy = "{policy}"',
         *([f'model_dir = "{model_dir}"'] if model_dir else []),
@@ -245,7 +261,11 @@ def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -
         # vLLM: kvgate tokenizes like the engine (its model directory), so KV events match.
         first = engines[0].model_dir
         model_dir = str(first) if args.engine == "vllm" and first is not None else None
-        cfg.write_text(gateway_config(engines, policy, port, args.extra_config, model_dir))
+        cfg.write_text(
+            gateway_config(
+                engines, policy, port, args.extra_config, model_dir, args.refit_interval_s
+            )
+        )
         with kvgate_serve(cfg, port, tmp / f"kvgate-{policy}.log") as url:
             model = engines[0].model
             res = asyncio.run(drive(url, model, wl, args.concurrency, args.budget_s, policy))
@@ -270,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="kvcache_centric,round_robin,least_load")
     p.add_argument("--engine-args", default="", help="extra engine arguments, shell-quoted")
     p.add_argument("--extra-config", default="", help="TOML lines added to the gateway config")
+    p.add_argument(
+        "--refit-interval-s",
+        type=float,
+        default=0.0,
+        help="the gateway's online prefill refit (server.refit_interval_s); 0 = off, so that "
+        "every policy runs on the same predictions (the gateway's own default is 60)",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     wl = make_workload(args.system_prompts, args.words, args.requests, args.zipf, args.seed)
@@ -278,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "instances": args.instances,
         "requests": args.requests,
         "concurrency": args.concurrency,
+        "refit_interval_s": args.refit_interval_s,
         "bound_request_hit_fraction": wl.bound_hit_fraction(),
         "runs": [],
     }
