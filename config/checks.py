@@ -116,8 +116,7 @@ def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     _check_peer_overload(c, a.peer)
     b = a.best_effort
     c.between("admission.best_effort.idle_share", b.idle_share, 0.0, 1.0)
-    c.between("admission.best_effort.min_reuse", b.min_reuse, 0.0, 1.0)
-    c.positive("admission.best_effort.reuse_horizon_s", b.reuse_horizon_s)
+    c.between("admission.best_effort.max_decode_load", b.max_decode_load, 0.0, 1.0)
 
 
 # Policies with a shipped overload control (routing/policies/peer_overload.py).

@@ -202,18 +202,15 @@ class PeerOverloadSettings:
 @dataclass(frozen=True, slots=True)
 class BestEffortSettings:
     """Serve late, rather than reject, a prompt no instance could serve within the TTFT SLO
-    even idle, while the fleet has idle prefill capacity and such prompts' prefixes are often
-    extended by later requests (their KV then serves the session's next turns in time), and
-    always when the whole prefill pool is idle. routing/best_effort.py; measured in
-    docs/experiments.md §2.3."""
+    even idle, when it only takes capacity nobody else is using (its instance has nothing
+    booked, this share of the prefill pool is idle, decode has room). routing/best_effort.py;
+    measured in docs/experiments.md §2.3."""
 
     enabled: bool = True
-    # Share of the model's prefill pool that must have no queue at the decision.
+    # Share of the model's prefill pool that must have nothing booked at the decision.
     idle_share: float = 0.5
-    # Measured share of such prompts that a later request extended (routing/prefix_reuse.py).
-    min_reuse: float = 0.4
-    # How long a prompt is watched for a request that extends it.
-    reuse_horizon_s: float = 300.0
+    # The TBT its decode instance is checked at, as a share of the TBT limit, at most.
+    max_decode_load: float = 0.8
 
 
 @dataclass(frozen=True, slots=True)

@@ -239,11 +239,7 @@ class AdminAPI:
                 "requests_in_flight": len(c.requests),
                 "decisions": c.stats.decisions,
                 "rejections": c.stats.rejections,
-                "best_effort": {
-                    "admitted": c.stats.best_effort,
-                    "prefix_reuse": round(c.best_effort.reuse.rate, 4),
-                    "prefix_reuse_settled": c.best_effort.reuse.settled,
-                },
+                "best_effort_admitted": c.stats.best_effort,
                 "cache_view_blocks": len(c.index),
                 "instances": [self._instance_view(iid) for iid in c.instances],
             }

@@ -10,88 +10,63 @@ admission rejected 593 requests (median 41.6k prompt tokens); a peer that admits
 served 426 of them within the SLO, 99 % of their prompt cached by the earlier turns.
 
 So a doomed request is admitted as *best effort* (``Decision.best_effort``; the gateway says
-so in ``x-kvgate-admission: best-effort``) when three things hold:
+so in ``x-kvgate-admission: best-effort``) when it only takes capacity nobody else is using:
 
-- it would start at once: the chosen instance has no prefill booked, so nobody already
-  placed there waits for it;
-- the fleet has spare prefill capacity: at least ``idle_share`` of the pool is idle too, so
-  requests arriving during its long prefill have somewhere else to go;
-- it pays: at least ``min_reuse`` of the doomed prompts seen lately were extended by a later
-  request within ``reuse_horizon_s`` (routing/prefix_reuse.py; 46-63 % on the synthetic trace,
-  26-35 % on the conversation trace, where serving them late cost up to 2 % of goodput).
+- its prefill instance has nothing booked, not even a prefill whose predicted end has passed
+  or that waits for its prefix pull to land (a request already placed there must never wait
+  behind it);
+- at least ``idle_share`` of the prefill pool is idle too, so requests arriving during its
+  long prefill have somewhere else to go;
+- the TBT its decode instance is checked at (today's, or the forecast under ``predictive``)
+  is at most ``max_decode_load`` of the TBT limit: its long context then takes decode room
+  that is spare, not the room of the requests that come after it.
 
-The last two are waived when the whole prefill pool is idle: then nothing else could use the
-fleet, and rejecting would be for nobody's benefit. That bounds starvation: a prompt too long
-for the SLO is turned away only while some prefill instance of its pool has work booked (or
-its decode instance would break the TBT SLO).
-
-The decode-side TBT check still applies in full; only the TTFT promise is waived, and only
-the configured one: a request that sets its own TTFT SLO (``x-slo-ttft-ms``) asked for a
-deadline, and is rejected as before. Pure: the caller passes ``now``.
+That bounds starvation: a prompt too long for the SLO is rejected only while the fleet is busy
+(its instance has work booked, half the pool is busy, or decode is above that load); before,
+it was rejected always. The TBT check itself still applies; only the TTFT promise is waived,
+and only the configured one: a request that sets its own TTFT SLO (``x-slo-ttft-ms``) asked
+for a deadline and is rejected as before. docs/experiments.md §2.3 measures each condition.
+Pure: the caller passes ``now``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from config.settings import AdmissionMode, AdmissionSettings, BestEffortSettings
+from config.settings import AdmissionMode, AdmissionSettings
 from routing.admission import EffectiveSLO
 from routing.estimates import PrefillOption
 from routing.instance_books import InstanceState
-from routing.prefix_reuse import PrefixReuse
 from routing.types import RequestInfo
 
 _SLO_MODES = (AdmissionMode.EARLY, AdmissionMode.PREDICTIVE)
 
 
-class BestEffort:
-    __slots__ = ("reuse", "settings")
-
-    def __init__(self, settings: BestEffortSettings) -> None:
-        self.settings = settings
-        self.reuse = PrefixReuse(settings.reuse_horizon_s)
-
-    def reconfigure(self, settings: BestEffortSettings) -> None:
-        """New settings live; the measured reuse survives unless its horizon changed."""
-        if settings.reuse_horizon_s != self.settings.reuse_horizon_s:
-            self.reuse = PrefixReuse(settings.reuse_horizon_s)
-        self.settings = settings
-
-    def review(
-        self,
-        req: RequestInfo,
-        option: PrefillOption,
-        slo: EffectiveSLO,
-        admission: AdmissionSettings,
-        pool: Sequence[InstanceState],
-        now: float,
-    ) -> bool:
-        """Whether ``req``, placed on ``option``, is served best effort: True only when the
-        TTFT check would reject it and every condition above holds. Also feeds the reuse
-        measurement (every reviewed request may extend a watched prompt)."""
-        s = self.settings
-        if not s.enabled or admission.mode not in _SLO_MODES:
-            return False
-        reuse = self.reuse
-        reuse.observe(req.block_hashes, now)
-        if req.slo_ttft_s is not None:  # a client's own deadline stays a hard one
-            return False
-        limit = slo.ttft_limit_s
-        margin = admission.ttft_margin
-        if (option.ttft_s - option.queue_s) * margin <= limit:
-            return False  # it could meet the SLO on an idle instance: not doomed
-        reuse.watch(req.block_hashes, now)
-        if not _idle(option.instance, now):
-            return False
-        idle = sum(1 for inst in pool if _idle(inst, now))
-        if idle == len(pool):  # nothing else could use the fleet now: never starve it here
-            return True
-        return idle >= s.idle_share * len(pool) and reuse.rate >= s.min_reuse
+def serve_best_effort(
+    req: RequestInfo,
+    option: PrefillOption,
+    tbt_s: float,
+    slo: EffectiveSLO,
+    admission: AdmissionSettings,
+    pool: Sequence[InstanceState],
+    now: float,
+) -> bool:
+    """Whether ``req``, placed on ``option`` with its decode checked at ``tbt_s``, is served
+    best effort: True only when the TTFT check would reject it even on an idle instance and
+    every condition above holds."""
+    s = admission.best_effort
+    if not s.enabled or admission.mode not in _SLO_MODES or req.slo_ttft_s is not None:
+        return False
+    if (option.ttft_s - option.queue_s) * admission.ttft_margin <= slo.ttft_limit_s:
+        return False  # it could meet the SLO on an idle instance: not doomed
+    if tbt_s * admission.tbt_margin > s.max_decode_load * slo.tbt_limit_s:
+        return False
+    if not _idle(option.instance, now):
+        return False
+    idle = sum(1 for inst in pool if _idle(inst, now))
+    return idle >= s.idle_share * len(pool)
 
 
 def _idle(inst: InstanceState, now: float) -> bool:
-    """No prefill booked, not even one whose predicted end has passed or that waits for its
-    prefix pull to land: a request already placed here must never wait behind a long prefill
-    that was admitted because the books thought the instance free (a late pull did, in the
-    simulator, until this counted them)."""
+    """No prefill booked, not even one the books think done (a late pull keeps it waiting)."""
     return not inst.prefill_queue and inst.queue_time(now) <= 0.0

@@ -26,7 +26,7 @@ from routing.admission import (
     resolve_slo,
     unavailable_rejection,
 )
-from routing.best_effort import BestEffort
+from routing.best_effort import serve_best_effort
 from routing.conditional_disagg import local_prefill
 from routing.decode_placement import place_decode
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
@@ -77,7 +77,6 @@ class Conductor(RequestProgress):
         self.requests: dict[str, RequestRecord] = {}
         self._event_fed: set[str] = set()  # instances whose engine sends KV events
         self.stats = DecisionStats()
-        self.best_effort = BestEffort(settings.admission.best_effort)
         self._order = 0
         self.pools = FleetPools()
         self._last_now = 0.0  # the latest time seen, for fleet changes made without one
@@ -102,7 +101,6 @@ class Conductor(RequestProgress):
         old = getattr(self, "settings", None)
         self.settings = settings
         self.admission = Admission(settings.admission)
-        self.best_effort.reconfigure(settings.admission.best_effort)
         # A model's own SLO replaces the global one for its requests (priority classes apply).
         self._model_slo = {
             m.name: replace(
@@ -262,8 +260,8 @@ class Conductor(RequestProgress):
         if self.admission.mode is AdmissionMode.PEER:
             rejection = self.admission.check_peer(self.policy, ctx, self.settings.routing.seed)
         else:
-            late = self.best_effort.review(
-                req, option, slo, self.settings.admission, prefill_pool, now
+            late = serve_best_effort(
+                req, option, tbt_check, slo, self.settings.admission, prefill_pool, now
             )
             rejection = self.admission.check(
                 req, slo, option.ttft_s, tbt_check, retry_s, ttft_promised=not late

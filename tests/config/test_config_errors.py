@@ -115,8 +115,7 @@ def test_min_greater_than_max(write_toml: WriteToml) -> None:
         ('[slo]\ndefault_priority = "urgent"', "slo.default_priority"),
         ('[[slo.priorities]]\nname = "a"\nlevel = 1\nheadroom = 1.5', "slo.priorities[0].headroom"),
         ("[admission.best_effort]\nidle_share = 1.5", "admission.best_effort.idle_share"),
-        ("[admission.best_effort]\nmin_reuse = -0.1", "admission.best_effort.min_reuse"),
-        ("[admission.best_effort]\nreuse_horizon_s = 0", "admission.best_effort.reuse_horizon_s"),
+        ("[admission.best_effort]\nmax_decode_load = 1.5", "admission.best_effort.max_decode_load"),
     ],
 )
 def test_range_checks(write_toml: WriteToml, text: str, key: str) -> None:

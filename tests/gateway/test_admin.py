@@ -111,8 +111,7 @@ def test_instances_add_drain_delete(client: TestClient) -> None:
 def test_state_decisions_predictors_replication_openapi(client: TestClient) -> None:
     state = client.get("/admin/state", headers=AUTH).json()
     assert state["policy"] == "kvcache_centric" and len(state["instances"]) == 2
-    # nothing served yet: none best effort, the reuse measurement at its 1-in-2 prior
-    assert state["best_effort"] == {"admitted": 0, "prefix_reuse": 0.5, "prefix_reuse_settled": 0}
+    assert state["best_effort_admitted"] == 0  # nothing served yet
     inst = state["instances"][0]
     for key in (
         "queue_s",
