@@ -367,6 +367,11 @@ class Http1Client:
                 conn = None
             if conn is None:
                 conn = await pool.connect(self.connect_timeout_s)
+                if conn.closed:
+                    # The engine took the connection and closed it before this coroutine ran
+                    # again (killed right then): a write would vanish into the closed transport
+                    # and the request would wait out the silence timeout for nothing.
+                    raise ConnectionResetError("engine closed the connection as it opened")
             reused = conn.used
             resp = conn.resp = Response(conn, loop, read_timeout_s)
             assert conn.transport is not None

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from backends.drivers import ColocatedDriver, ForwardPlan, Target, UpstreamError, VLLMDriver
-from backends.http1 import Http1Client
+from backends.http1 import Http1Client, _Conn, _Pool
 
 
 class RawServer:
@@ -247,3 +247,41 @@ def test_slow_consumer_pauses_reading_and_gets_every_byte() -> None:
 
     sent, got, second, connections = asyncio.run(run())
     assert got == sent and second == sent and connections == 1
+
+
+def test_a_connection_closed_as_it_opens_fails_at_once_not_at_the_silence_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine killed right after its kernel accepted the connection: the close can reach the
+    client before its coroutine resumes from the connect. The request must fail as a connection
+    error (the proxy retries it elsewhere), not be written into the closed transport and wait
+    out the read timeout (a 504 ``engine_silent`` under SIGKILL, 1 run in ~10 of
+    tests/real/test_engine_kill.py)."""
+    pool_connect = _Pool.connect
+
+    async def slow_resume(self: _Pool, timeout_s: float) -> _Conn:
+        conn = await pool_connect(self, timeout_s)
+        await asyncio.sleep(0.1)  # the loop delivers the reset before the request goes out
+        return conn
+
+    monkeypatch.setattr(_Pool, "connect", slow_resume)
+
+    async def run() -> tuple[type[BaseException], float]:
+        async def close_at_once(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.transport.abort()  # RST, as a killed process's socket
+
+        server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = Http1Client()
+        t0 = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(OSError) as err:
+                await client.post("127.0.0.1", port, "/x", b"{}", {}, 3.0)
+        finally:
+            client.close()
+            server.close()
+        return err.type, asyncio.get_running_loop().time() - t0
+
+    kind, took = asyncio.run(run())
+    assert issubclass(kind, ConnectionError) and not issubclass(kind, TimeoutError)
+    assert took < 1.0  # not the 3 s read timeout
