@@ -35,6 +35,7 @@ import aiohttp
 from bench.kvgate_serve import free_port, kvgate_serve
 from tests.real.engines import EngineProcess, start_llama_server, start_vllm, stop_engine
 
+ADMIN_TOKEN = "bench-local"  # loopback only: each run reads /admin/predictors
 _SYLLABLES = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "zu", "an", "el", "or", "is")
 
 
@@ -191,9 +192,6 @@ async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: 
             name, _, value = line.rpartition(" ")
             out.gateway_metrics[name] = float(value)
     return out
-
-
-ADMIN_TOKEN = "bench-local"  # loopback only: the run reads /admin/predictors
 
 
 def gateway_config(

@@ -29,11 +29,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from config.settings import AdmissionMode, Settings
+from config.settings import Settings
 from config.tenant_keys import hash_key
 from config.tenant_settings import TenantSettings, TenantsSettings
 from gateway.answers import send_json
 from gateway.openai import error_body
+from routing.admission import SLO_MODES
 from routing.tenant_share import FairShare, TokenBucket
 from routing.types import Decision, Rejection, RejectReason, RequestInfo
 
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from gateway.relay import Send
 
 log = logging.getLogger("kvgate.tenants")
-_SLO_MODES = (AdmissionMode.EARLY, AdmissionMode.PREDICTIVE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +261,7 @@ class TenantGate:
         # The prediction test first: it is cheaper and, off overload, passes.
         rejection = (
             self._over_share(tenant, d)
-            if self.cfg.fair_share and self.gw.settings.admission.mode in _SLO_MODES
+            if self.cfg.fair_share and self.gw.settings.admission.mode in SLO_MODES
             else None
         )
         if rejection is not None and self.share.over_share(tenant, 0.0, self._weights, now):

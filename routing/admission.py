@@ -47,6 +47,10 @@ def _clamp(v: float, lo: float, hi: float) -> float:
     return lo if v < lo else hi if v > hi else v
 
 
+# The modes that judge a request against its SLOs (``none`` and ``peer`` never do).
+SLO_MODES = frozenset({AdmissionMode.EARLY, AdmissionMode.PREDICTIVE})
+
+
 class UnknownPriority(KvgateError, ValueError):
     pass
 
@@ -109,7 +113,7 @@ class Admission:
         ``ttft_promised=False``: a best-effort admission (routing/best_effort.py), judged on
         the TBT only."""
         s = self.settings
-        if s.mode in (AdmissionMode.NONE, AdmissionMode.PEER):
+        if s.mode not in SLO_MODES:
             return None
         ttft_pred = ttft_s * s.ttft_margin
         limit = slo.ttft_limit_s

@@ -33,13 +33,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from config.settings import AdmissionMode, AdmissionSettings
-from routing.admission import EffectiveSLO
+from config.settings import AdmissionSettings
+from routing.admission import SLO_MODES, EffectiveSLO
 from routing.estimates import PrefillOption
 from routing.instance_books import InstanceState
 from routing.types import RequestInfo
-
-_SLO_MODES = (AdmissionMode.EARLY, AdmissionMode.PREDICTIVE)
 
 
 def serve_best_effort(
@@ -55,7 +53,7 @@ def serve_best_effort(
     best effort: True only when the TTFT check would reject it even on an idle instance and
     every condition above holds."""
     s = admission.best_effort
-    if not s.enabled or admission.mode not in _SLO_MODES or req.slo_ttft_s is not None:
+    if not s.enabled or admission.mode not in SLO_MODES or req.slo_ttft_s is not None:
         return False
     if (option.ttft_s - option.queue_s) * admission.ttft_margin <= slo.ttft_limit_s:
         return False  # it could meet the SLO on an idle instance: not doomed

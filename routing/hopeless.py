@@ -24,12 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from config.settings import AdmissionMode, AdmissionSettings
-from routing.admission import EffectiveSLO
+from config.settings import AdmissionSettings
+from routing.admission import SLO_MODES, EffectiveSLO
 from routing.instance_books import InstanceState
 from routing.types import Rejection, RejectReason
-
-_SLO_MODES = (AdmissionMode.EARLY, AdmissionMode.PREDICTIVE)
 
 
 def best_case_ttft(candidates: Sequence[InstanceState], now: float) -> float:
@@ -46,7 +44,7 @@ def hopeless_rejection(
 ) -> Rejection | None:
     """The ``ttft_slo`` rejection the full decision would also reach, or None (then decide
     normally). No candidates: None, the full path answers ``no_healthy_*``."""
-    if admission.mode not in _SLO_MODES or not candidates:
+    if admission.mode not in SLO_MODES or not candidates:
         return None
     floor = best_case_ttft(candidates, now)
     predicted = floor * admission.ttft_margin
