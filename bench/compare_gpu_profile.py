@@ -11,6 +11,9 @@ Three measured times per point (see docs/gpu-step-times.md):
 - ``kernels``: the sum of its GPU kernel durations (GPU-only, what the profile models);
 - decode ``kernels-cat``: minus the ``torch.cat`` re-copy of the KV cache that HF's DynamicCache
   does every step and a paged engine does not (timed apart at the same shape).
+``bench/gpu_engine_steps.py`` output (the engine-like forward) reads the same way, except that
+its end-to-end time is a CUDA-graph replay (``meta.e2e_label`` "graph") and it has no
+``kernels-cat``: it writes the KV cache in place.
 
     .venv/bin/python -m bench.compare_gpu_profile                       # table
     .venv/bin/python -m bench.compare_gpu_profile --markdown --json /tmp/cmp.json
@@ -158,38 +161,40 @@ def fit_decode(rows: list[Row], field: str) -> dict[str, Any]:
     }
 
 
-def fits(rows: list[Row], profile_name: str) -> dict[str, Any]:
+def fits(rows: list[Row], profile_name: str, e2e: str = "eager") -> dict[str, Any]:
     knee = get_profile(profile_name).prefill.n0
-    return {
+    out = {
         "prefill_kernels": fit_prefill(rows, "kernels_ms", knee),
         # HF runs a prefix prefill through an explicit mask and repeat_kv (gqa_native False in
         # the steps JSON); a paged engine does not, so fit the no-prefix points apart too.
         "prefill_kernels_no_prefix": fit_prefill(rows, "kernels_ms", knee, no_prefix=True),
-        "prefill_eager": fit_prefill(rows, "eager_ms", knee),
+        f"prefill_{e2e}": fit_prefill(rows, "eager_ms", knee),
         "decode_kernels": fit_decode(rows, "kernels_ms"),
-        "decode_kernels_minus_cat": fit_decode(rows, "kernels_minus_cat_ms"),
-        "decode_eager": fit_decode(rows, "eager_ms"),
+        f"decode_{e2e}": fit_decode(rows, "eager_ms"),
     }
+    if any(r.kernels_minus_cat_ms is not None for r in rows):
+        out["decode_kernels_minus_cat"] = fit_decode(rows, "kernels_minus_cat_ms")
+    return out
 
 
 def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def table(rows: list[Row], markdown: bool) -> str:
+def table(rows: list[Row], markdown: bool, e2e: str = "eager") -> str:
     head = [
         "kind",
         "B",
         "n",
         "cached",
-        "eager ms",
+        f"{e2e} ms",
         "kernels ms",
         "kernels-cat ms",
         "kvgate ms",
         "profile GPU ms",
         "kernels/GPU",
         "adj/GPU",
-        "eager/kvgate",
+        f"{e2e}/kvgate",
     ]
     body = [
         [
@@ -246,24 +251,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     rows = build_rows(points, a.profile)
+    e2e = str(meta.get("e2e_label", "eager"))  # what the steps file's median_ms measured
     result = {
+        "e2e_label": e2e,
         "steps_file": str(a.steps),
         "profile": a.profile,
         "device": meta.get("gpu"),
-        "software": {k: meta.get(k) for k in ("torch", "transformers", "cuda")},
+        "software": {k: meta.get(k) for k in ("script", "torch", "transformers", "cuda")},
         "rows": [
             asdict(r)
             | {
                 "kernels_over_gpu": r.gpu_ratio,
                 "adjusted_over_gpu": r.adjusted_ratio,
-                "eager_over_kvgate": r.eager_ratio,
+                f"{e2e}_over_kvgate": r.eager_ratio,
             }
             for r in rows
         ],
         "summary": summary(rows),
-        "fits": fits(rows, a.profile),
+        "fits": fits(rows, a.profile, e2e),
     }
-    print(table(rows, a.markdown))
+    print(table(rows, a.markdown, e2e))
     print()
     print(json.dumps({"summary": result["summary"], "fits": result["fits"]}, indent=1))
     if a.json:

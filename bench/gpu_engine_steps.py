@@ -1,0 +1,443 @@
+"""Llama-3-8B step times on one GPU, run the way a serving engine runs a step.
+
+``bench/gpu_step_times.py`` timed Hugging Face transformers in eager mode: its decode is bound by
+Python launching ~1,000 kernels per step, and its prefix prefill goes through ``repeat_kv`` and an
+explicit mask. No vLLM can be installed on the GPU machine, so this module writes the forward
+itself the way engines do (stdlib + torch only; no kvgate imports, like its sibling):
+
+- fused QKV and gate/up projections (one GEMM each, as vLLM's ``QKVParallelLinear`` and
+  ``MergedColumnParallelLinear``), logits for the last position only;
+- KV written in place into a preallocated per-sequence cache (no re-copy per step);
+- GQA-native attention: prefill through PyTorch SDPA with a bottom-right causal bias
+  (``causal_lower_right``, so the new tokens see the whole cached prefix) and ``enable_gqa``;
+  decode as one grouped batched matmul per layer that reads K and V once;
+- each step captured once as a CUDA graph and replayed (vLLM captures decode steps).
+
+Per point: ``median_ms`` is the CUDA-graph replay (what an engine's step costs end to end without
+launch gaps), ``eager_ms`` the same forward launched from Python, ``gpu_kernel_ms`` the sum of its
+GPU kernel durations (one ``torch.profiler`` pass) and ``top_kernels`` which kernels ran: the
+attention kernel's name says which SDPA backend PyTorch chose. What stays unlike vLLM: RMSNorm,
+RoPE, SiLU-and-mul and residual adds are PyTorch's separate elementwise kernels (vLLM fuses
+them), and the cache is contiguous per sequence, not paged.
+
+    python3 -m bench.gpu_engine_steps --out $OUT/engine-steps.json
+    python3 -m bench.gpu_engine_steps --tiny --device cpu --out /tmp/e.json   # smoke test
+    .venv/bin/python -m bench.compare_gpu_profile --steps docs/data/gpu-engine-steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from bench.gpu_step_times import (
+    DECODE_EXTRA,
+    LLAMA3_8B,
+    PREFILL_N,
+    PREFILL_PREFIX,
+    TINY,
+    sanity,
+)
+from bench.gpu_timing import Timer, kernel_profile
+
+DECODE_POINTS = tuple((b, k) for b in (1, 8, 32, 64) for k in (512, 2048)) + DECODE_EXTRA
+DECODE_LARGE = ((128, 2048), (256, 512))  # batches only a graph-captured engine runs cheaply
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    rope_theta: float
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> Shape:
+        return cls(
+            d["hidden_size"],
+            d["num_hidden_layers"],
+            d["num_attention_heads"],
+            d["num_key_value_heads"],
+            d["intermediate_size"],
+            d["vocab_size"],
+            d["rope_theta"],
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def _decode_matmul(s: Shape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One grouped batched matmul over K and one over V, nothing copied."""
+    batch, _, _, d = q.shape
+    qg = q.view(batch, s.kv_heads, s.group, d)
+    probs = torch.softmax(torch.matmul(qg, k.transpose(-1, -2)).float() * d**-0.5, dim=-1)
+    return torch.matmul(probs.to(q.dtype), v).view(batch, s.heads, 1, d)
+
+
+def _decode_packed(s: Shape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A query head group as a 4-token query of its KV head, no mask (vLLM's FA "ngroups
+    swapped" trick): a flash kernel reads each KV head once for the whole group."""
+    batch, _, _, d = q.shape
+    out = F.scaled_dot_product_attention(q.view(batch, s.kv_heads, s.group, d), k, v)
+    return out.view(batch, s.heads, 1, d)
+
+
+def _decode_gqa(s: Shape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _decode_cudnn(s: Shape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+DecodeKernel = Callable[[Shape, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The decode attention kernels PyTorch offers; each point runs the fastest at its shape, as an
+# engine ships a tuned decode kernel.
+DECODE_KERNELS: dict[str, DecodeKernel] = {
+    "matmul": _decode_matmul,
+    "sdpa_packed": _decode_packed,
+    "sdpa_gqa": _decode_gqa,
+    "cudnn_gqa": _decode_cudnn,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor  # (heads + 2 * kv_heads) * head_dim x hidden: one GEMM
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # 2 * intermediate x hidden: one GEMM
+    down: torch.Tensor
+
+
+class EngineLlama:
+    """The Llama forward with an engine's fusions; random bf16 weights (values do not change
+    dense kernels' speed)."""
+
+    def __init__(self, shape: Shape, device: torch.device, max_positions: int) -> None:
+        self.s, self.device, self.dtype = shape, device, torch.bfloat16
+        self.gqa_sdpa = True  # False: K/V repeated to all heads first (see check_attention)
+        self.decode_kernel = "sdpa_packed"  # a DECODE_KERNELS name, picked per point by timing
+        torch.manual_seed(0)
+
+        def w(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, device=device, dtype=self.dtype) * (cols**-0.5)
+
+        def ones() -> torch.Tensor:
+            return torch.ones(shape.hidden, device=device, dtype=self.dtype)
+
+        qkv_rows = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+        self.layers = [
+            Layer(
+                ones(),
+                w(qkv_rows, shape.hidden),
+                w(shape.hidden, shape.hidden),
+                ones(),
+                w(2 * shape.intermediate, shape.hidden),
+                w(shape.hidden, shape.intermediate),
+            )
+            for _ in range(shape.layers)
+        ]
+        self.embed = w(shape.vocab, shape.hidden)
+        self.final_norm = ones()
+        self.lm_head = w(shape.vocab, shape.hidden)
+        half = shape.head_dim // 2
+        inv_freq = shape.rope_theta ** (-torch.arange(half, device=device).float() / half)
+        angles = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
+        self.cos = angles.cos().to(self.dtype)  # (positions, head_dim / 2)
+        self.sin = angles.sin().to(self.dtype)
+
+    def new_cache(self, batch: int, length: int) -> KV:
+        """Random K/V for every position (a cached prefix's values do not change the speed)."""
+        size = (batch, self.s.kv_heads, length, self.s.head_dim)
+        return [
+            (
+                torch.randn(size, device=self.device, dtype=self.dtype),
+                torch.randn(size, device=self.device, dtype=self.dtype),
+            )
+            for _ in self.layers
+        ]
+
+    def rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        n = x.shape[1]  # x: (B, n, heads, head_dim), neox-style halves as Llama's HF weights
+        cos = self.cos[start : start + n].view(1, n, 1, -1)
+        sin = self.sin[start : start + n].view(1, n, 1, -1)
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, heads, n, d); k, v (B, kv_heads, total, d), the last n positions new."""
+        n, total = q.shape[2], k.shape[2]
+        if n == 1:
+            return DECODE_KERNELS[self.decode_kernel](self.s, q, k, v)
+        mask = causal_lower_right(n, total) if total > n else None
+        if not self.gqa_sdpa:
+            k = k.repeat_interleave(self.s.group, dim=1)
+            v = v.repeat_interleave(self.s.group, dim=1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.gqa_sdpa
+        )
+
+    def forward(self, ids: torch.Tensor, start: int, cache: KV) -> torch.Tensor:
+        """Logits of the last position; writes the n new tokens' K/V at ``start`` in place."""
+        s = self.s
+        batch, n = ids.shape
+        x = F.embedding(ids, self.embed)
+        q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        for layer, (k_cache, v_cache) in zip(self.layers, cache, strict=True):
+            h = F.rms_norm(x, (s.hidden,), layer.ln1, 1e-5)
+            q, k, v = F.linear(h, layer.qkv).split((q_size, kv_size, kv_size), dim=-1)
+            q = self.rope(q.view(batch, n, s.heads, s.head_dim), start)
+            k = self.rope(k.view(batch, n, s.kv_heads, s.head_dim), start)
+            k_cache[:, :, start : start + n].copy_(k.transpose(1, 2))
+            v_cache[:, :, start : start + n].copy_(v.view(batch, n, s.kv_heads, -1).transpose(1, 2))
+            end = start + n
+            out = self.attention(q.transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end])
+            x = x + F.linear(out.transpose(1, 2).reshape(batch, n, q_size), layer.o)
+            h = F.rms_norm(x, (s.hidden,), layer.ln2, 1e-5)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        last = F.rms_norm(x[:, -1], (s.hidden,), self.final_norm, 1e-5)
+        return F.linear(last, self.lm_head)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain math: K/V repeated to every query head, new token i sees the prefix and i' <= i."""
+    n, total = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    allowed = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.float()
+
+
+def check_attention(model: EngineLlama) -> dict[str, float]:
+    """Max abs error of the engine attention against ``reference_attention`` on small cases, so
+    that a fast but wrong kernel path cannot pass unnoticed. Where this torch cannot run the
+    bottom-right causal bias with ``enable_gqa``, falls back to repeating K/V (as HF does) and
+    says so in the JSON rather than losing the run."""
+    s, out = model.s, {}
+    probe = torch.zeros(1, s.heads, 2, s.head_dim, device=model.device, dtype=model.dtype)
+    kv = torch.zeros(1, s.kv_heads, 4, s.head_dim, device=model.device, dtype=model.dtype)
+    try:
+        model.attention(probe, kv, kv)
+    except RuntimeError as exc:
+        print(f"SDPA refused enable_gqa with the causal bias ({exc}); repeating K/V", flush=True)
+        model.gqa_sdpa = False
+    for name, (n, total) in {"prefill": (24, 24), "prefix": (16, 48), "decode": (1, 40)}.items():
+        q = torch.randn(2, s.heads, n, s.head_dim, device=model.device, dtype=model.dtype)
+        k = torch.randn(2, s.kv_heads, total, s.head_dim, device=model.device, dtype=model.dtype)
+        v = torch.randn_like(k)
+        want = reference_attention(q, k, v)
+        kernels = DECODE_KERNELS if n == 1 else {"": None}
+        for kernel in kernels:
+            model.decode_kernel = kernel or model.decode_kernel
+            try:
+                got = model.attention(q, k, v).float()
+            except RuntimeError as exc:  # a backend this torch/GPU lacks: never picked later
+                print(f"decode kernel {kernel} unavailable: {str(exc)[:200]}", flush=True)
+                continue
+            out[f"{name}_{kernel}" if kernel else name] = float((got - want).abs().max())
+    model.decode_kernel = "sdpa_packed"
+    return out
+
+
+@dataclass
+class Point:
+    kind: str  # "prefill" | "decode"
+    new_tokens: int
+    cached_tokens: int  # per sequence
+    batch: int
+    median_ms: float | None  # CUDA-graph replay (None where capture failed: see graph_error)
+    graph_samples_ms: list[float]
+    eager_ms: float
+    eager_samples_ms: list[float]
+    gpu_kernel_ms: float | None
+    top_kernels: list[Any]
+    graph_error: str | None = None
+    decode_kernel: str | None = None  # the DECODE_KERNELS entry this point ran
+    decode_kernel_ms: dict[str, float] | None = None  # one layer's attention, each kernel
+
+
+class Bench:
+    def __init__(self, model: EngineLlama, warmup: int, reps: int) -> None:
+        self.model, self.warmup, self.reps = model, warmup, reps
+        self.timer = Timer(model.device)
+
+    def samples(self, fn: Callable[[], Any]) -> list[float]:
+        for _ in range(self.warmup):
+            fn()
+        out = []
+        for _ in range(self.reps):
+            self.timer.sync()
+            out.append(self.timer.once(fn)[0])
+        return out
+
+    def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up on a side stream, as torch.cuda.graphs asks
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+    def pick_decode_kernel(self, k: torch.Tensor, v: torch.Tensor, usable: list[str]) -> dict:
+        """Time one layer's decode attention with each usable kernel; the model takes the
+        fastest. Returns {kernel: median ms}."""
+        m, batch = self.model, k.shape[0]
+        q = torch.randn(batch, m.s.heads, 1, m.s.head_dim, device=m.device, dtype=m.dtype)
+        times = {}
+        for name in usable:
+            kernel = DECODE_KERNELS[name]
+            times[name] = statistics.median(self.samples(lambda: kernel(m.s, q, k, v)))  # noqa: B023
+        m.decode_kernel = min(times, key=times.__getitem__)
+        return times
+
+    def point(
+        self, kind: str, batch: int, new: int, cached: int, usable: list[str] | None = None
+    ) -> Point:
+        m = self.model
+        ids = torch.randint(0, m.s.vocab, (batch, new), device=m.device)
+        cache = m.new_cache(batch, cached + new)
+        picked = None
+        if kind == "decode" and usable:
+            with torch.inference_mode():
+                picked = self.pick_decode_kernel(*cache[0], usable)
+
+        def step() -> torch.Tensor:
+            return m.forward(ids, cached, cache)
+
+        with torch.inference_mode():
+            eager = self.samples(step)
+            profiled = kernel_profile(step, m.device)
+            graph_ms: list[float] = []
+            error = None
+            if m.device.type == "cuda":
+                try:
+                    graph_ms = self.samples(self.graph(step))
+                except Exception as exc:  # keep the eager numbers of a shape that will not capture
+                    error = repr(exc)[:300]
+        return Point(
+            kind,
+            new,
+            cached,
+            batch,
+            statistics.median(graph_ms) if graph_ms else None,
+            graph_ms,
+            statistics.median(eager),
+            eager,
+            None if profiled is None else profiled[0],
+            [] if profiled is None else profiled[1],
+            error,
+            m.decode_kernel if kind == "decode" else None,
+            picked,
+        )
+
+
+def plan(tiny: bool) -> list[tuple[str, int, int, int]]:
+    """(kind, batch, new tokens, cached tokens) of every point, small first."""
+    if tiny:
+        return [("prefill", 1, 64, 0), ("prefill", 1, 32, 64), ("decode", 4, 1, 128)]
+    pre = [("prefill", 1, n, 0) for n in PREFILL_N]
+    pre += [("prefill", 1, n, c) for n, c in PREFILL_PREFIX]
+    return pre + [("decode", b, 1, k) for b, k in DECODE_POINTS + DECODE_LARGE]
+
+
+def meta(model: EngineLlama, args: argparse.Namespace, checks: dict[str, float]) -> dict:
+    device = model.device
+    out: dict[str, Any] = {
+        "script": "bench/gpu_engine_steps.py",
+        "e2e_label": "graph",  # what median_ms is: compare_gpu_profile labels its column so
+        "model_shape": "tiny" if args.tiny else "llama3-8b",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gqa_native_prefill": model.gqa_sdpa,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "attention_max_abs_error": checks,
+        "card": sanity(device, args.tiny),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out |= {"gpu": props.name, "sms": props.multi_processor_count}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.gpu_engine_steps", description=__doc__)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shape (smoke test, CPU is fine)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=9)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device (use --device cpu --tiny for a smoke test)", file=sys.stderr)
+        return 2
+    shape = Shape.from_hf(TINY if args.tiny else LLAMA3_8B)
+    t0 = time.perf_counter()
+    model = EngineLlama(shape, device, max_positions=20000)
+    with torch.inference_mode():
+        checks = check_attention(model)
+    print(f"attention max abs error vs reference: {checks}", flush=True)
+    if max(checks.values()) > 0.05:
+        print("error: the engine attention disagrees with the reference", file=sys.stderr)
+        return 1
+    usable = sorted({key.split("_", 1)[1] for key in checks if key.startswith("decode_")})
+    bench, points = Bench(model, args.warmup, args.reps), []
+    todo = plan(args.tiny)
+    for i, (kind, batch, new, cached) in enumerate(todo, 1):
+        pt = bench.point(kind, batch, new, cached, usable)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the point's cache and graph pool are gone with it
+        points.append(pt)
+        graph = "-" if pt.median_ms is None else f"{pt.median_ms:.2f}"
+        kernels = "-" if pt.gpu_kernel_ms is None else f"{pt.gpu_kernel_ms:.2f}"
+        kernel = f" [{pt.decode_kernel}]" if pt.decode_kernel else ""
+        print(
+            f"[{i}/{len(todo)}] {kind} B={batch} n={new} cached={cached}{kernel}: "
+            f"graph {graph} ms, "
+            f"eager {pt.eager_ms:.2f} ms, kernels {kernels} ms ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    data = {"meta": meta(model, args, checks), "points": [asdict(x) for x in points]}
+    data["meta"]["script_seconds"] = round(time.perf_counter() - t0, 1)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
