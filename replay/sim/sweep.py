@@ -83,7 +83,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             bound = goodput_bound(
                 trace,
                 profile,
-                prefill_instances=fleet.prefill,
+                # conditional disaggregation may prefill on decode instances, in mixed steps
+                prefill_instances=fleet.prefill + (fleet.decode if any(cd_values) else 0),
+                prefill_alone=fleet.chunk_tokens is None and not any(cd_values),
                 decode_instances=fleet.decode,
                 colocated=fleet.colocated,
                 ttft_slo_s=slo,

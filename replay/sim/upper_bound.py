@@ -8,11 +8,23 @@ cheapest conceivable cost:
 - **prefill**: as if every block of its prompt that ANY earlier request carried were cached on
   the instance that runs it (one infinite cache shared by the fleet, free transfers), and as if
   it shared its step's fixed overhead with others for free — so ``b*n + c*n*(cached + n/2)`` of
-  the engine's step model (``replay/engine/timing.py``) is charged, nothing else;
+  the engine's step model (``replay/engine/timing.py``) is charged, nothing else; except where
+  the fleet's engines cannot share a prefill step (``prefill_alone``: unchunked prefill
+  instances run one prompt per step and no decode), which is charged its whole step;
 - **decode**: each generated token at the per-token cost of the largest batch whose step still
   meets the TBT SLO (ignoring the context term in that test; per-token cost falls with the
   batch and is convex in it, so a mean TBT within the SLO cannot do better on average), plus
   its own context term; and its context's KV held for at least the shortest step per token.
+  Where the context term dominates a step (long prompts, a large per-token KV cost), that first
+  form is loose: it lets the step's fixed cost F be shared by a batch whose contexts could never
+  fit one TBT. The second form (``decode_share_costs``) keeps the contexts: if a served set A
+  decodes m_i tokens per request with a step cost of at least w_i = b + k * prompt_i each, the
+  mean-TBT SLO tau summed over A gives sum_i w_i m_i Bbar_i <= (tau - F) sum_i m_i (Bbar_i: the
+  mean batch i decodes in), so the steps A needs cost at least
+  F * (sum_i m_i sqrt(w_i))^2 / ((tau - F) * sum_i m_i) (Cauchy-Schwarz). That is not a sum over
+  requests; its tangent ``u^2/v >= 2*alpha*u - alpha^2*v``, valid for every alpha, is, so each
+  alpha gives per-request costs whose window count is a bound; the smallest over a grid of
+  alphas and the first form is used.
 
 A request whose prefill alone cannot meet the TTFT SLO is dropped. The rest compete for
 machine time: a request must be prefilled in ``[arrival, arrival + SLO_ttft]`` and decoded by
@@ -29,12 +41,15 @@ time), never below what a real schedule achieves; the tests check it against sim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from predictors.profiles import EngineProfile
 from replay.engine.timing import StepTiming
 from replay.workload.traces import BLOCK_SIZE, TraceRequest
+
+ALPHA_QUANTILES = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,14 +122,19 @@ def window_count(jobs: Sequence[Job], machines: float, length_s: float, offset_s
 
 
 def resource_bound(jobs: Sequence[Job], machines: float) -> int:
-    """``window_count`` minimised over window lengths (multiples of the longest job interval)
-    and offsets: every cut is a valid bound, the smallest is the tightest of them."""
+    """``window_count`` minimised over window lengths and offsets: every cut is a valid bound,
+    the smallest is the tightest of them. Lengths: multiples of the longest job interval (no job
+    crosses more than one edge) and of the median and 90th-percentile intervals (where a few
+    jobs are very long, e.g. decodes of thousands of tokens, the long windows leave the many
+    short jobs' contention unseen; the long jobs then cross edges and count as served)."""
     if not jobs:
         return 0
-    span = max(j.deadline_s - j.release_s for j in jobs)
+    spans = sorted(j.deadline_s - j.release_s for j in jobs)
+    lengths = {spans[-1] * m for m in (1, 2, 4, 8, 16)}
+    for q in (0.5, 0.9):
+        lengths.update(spans[int(q * (len(spans) - 1))] * m for m in (1, 2, 4))
     best = len(jobs)
-    for mult in (1, 2, 4, 8, 16):
-        length = span * mult
+    for length in sorted(x for x in lengths if x > 0):
         for frac in (0.0, 0.25, 0.5, 0.75):
             best = min(best, window_count(jobs, machines, length, frac * length))
     return best
@@ -130,6 +150,28 @@ def _decode_batch(timing: StepTiming, tbt_slo_s: float, max_batch: int) -> int:
     return max(1, min(max_batch, fit))
 
 
+def decode_share_costs(
+    steps: Sequence[int], floor_w: Sequence[float], fixed_s: float, tbt_slo_s: float
+) -> list[list[float]]:
+    """Per alpha of a grid, each request's share of the steps' fixed cost F (see the module
+    docstring): ``K * m_i * (2 * alpha * sqrt(w_i) - alpha^2)`` with K = F / (tau - F). Empty
+    where no step can meet the SLO's mean anyway (tau <= F) or nothing decodes."""
+    if tbt_slo_s <= fixed_s or not any(steps):
+        return []
+    scale = fixed_s / (tbt_slo_s - fixed_s)
+    roots = sorted(math.sqrt(w) for m, w in zip(steps, floor_w, strict=True) if m > 0)
+    # alpha at the served set's step-weighted mean of sqrt(w) makes the tangent exact; the
+    # quantiles of sqrt(w) cover where that mean can fall.
+    alphas = sorted({roots[int(q * (len(roots) - 1))] for q in ALPHA_QUANTILES})
+    return [
+        [
+            scale * m * (2 * alpha * math.sqrt(w) - alpha * alpha)
+            for m, w in zip(steps, floor_w, strict=True)
+        ]
+        for alpha in alphas
+    ]
+
+
 def goodput_bound(
     trace: Sequence[TraceRequest],
     profile: EngineProfile,
@@ -141,14 +183,19 @@ def goodput_bound(
     tbt_slo_s: float,
     overhead_ms: float | None = None,
     max_batch: int | None = None,
+    prefill_alone: bool = False,
 ) -> GoodputBound:
+    """``prefill_alone``: every prompt is prefilled in a step of its own (a P/D fleet without
+    chunked prefill or conditional disaggregation), so its step's fixed cost is its own."""
     timing = StepTiming.from_profile(profile, overhead_ms)
     batch = _decode_batch(timing, tbt_slo_s, max_batch or profile.max_batch)
     fixed = timing.overhead_s + timing.a_s
     per_token = (fixed + timing.b_s * max(batch, timing.t0)) / batch
     min_step = fixed + timing.b_s * timing.t0
+    own_steps = prefill_alone and not colocated  # colocated engines mix prefill into decode
     hits = infinite_cache_hits(trace)
     prefill, decode, kv = [], [], []
+    variable, steps_of, floor_w = [], [], []  # decode: per-token-and-context part, m_i, w_i
     feasible = 0
     for r, cached in zip(trace, hits, strict=True):
         n = r.input_length - cached
@@ -160,23 +207,35 @@ def goodput_bound(
         end = t_first + max(r.output_length - 1, 0) * tbt_slo_s
         steps = max(r.output_length - 1, 0)
         context = r.input_length * steps + steps * (steps + 1) / 2  # summed over its steps
-        prefill.append(
-            Job(r.arrival_s, t_first, timing.b_s * n + timing.c_s * n * (cached + n / 2))
-        )
+        shared = timing.b_s * n + timing.c_s * n * (cached + n / 2)
+        prefill.append(Job(r.arrival_s, t_first, alone if own_steps else shared))
         decode.append(Job(r.arrival_s, end, steps * per_token + timing.k_s * context))
+        variable.append(steps * timing.b_s + timing.k_s * context)
+        steps_of.append(steps)
+        floor_w.append(timing.b_s + timing.k_s * r.input_length)
         kv.append(Job(r.arrival_s, end, (r.input_length + steps / 2) * steps * min_step))
+    # The decode cost in its two forms: one job list per form, the smallest count wins.
+    forms = [decode] + [
+        [replace(d, cost=v + share) for d, v, share in zip(decode, variable, shares, strict=True)]
+        for shares in decode_share_costs(steps_of, floor_w, fixed, tbt_slo_s)
+    ]
     by_resource: dict[str, int] = {}
     if colocated:
-        both = [
-            Job(p.release_s, d.deadline_s, p.cost + d.cost)
-            for p, d in zip(prefill, decode, strict=True)
-        ]
         by_resource["prefill"] = resource_bound(prefill, colocated)
-        by_resource["machine_time"] = resource_bound(both, colocated)
+        by_resource["machine_time"] = min(
+            resource_bound(
+                [
+                    Job(p.release_s, d.deadline_s, p.cost + d.cost)
+                    for p, d in zip(prefill, form, strict=True)
+                ],
+                colocated,
+            )
+            for form in forms
+        )
         by_resource["decode_kv"] = resource_bound(kv, colocated * profile.kv_capacity_tokens)
     else:
         by_resource["prefill"] = resource_bound(prefill, prefill_instances)
-        by_resource["decode"] = resource_bound(decode, decode_instances)
+        by_resource["decode"] = min(resource_bound(form, decode_instances) for form in forms)
         by_resource["decode_kv"] = resource_bound(kv, decode_instances * profile.kv_capacity_tokens)
     binding = min(by_resource, key=lambda k: by_resource[k])
     count = by_resource[binding]
@@ -200,6 +259,7 @@ def fraction_of_bound(goodput_rps: float | None, bound: GoodputBound) -> float |
 __all__ = [
     "GoodputBound",
     "Job",
+    "decode_share_costs",
     "fraction_of_bound",
     "goodput_bound",
     "infinite_cache_hits",

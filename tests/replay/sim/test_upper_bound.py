@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from config.settings import (
@@ -14,10 +16,12 @@ from config.settings import (
 )
 from predictors.profiles import get_profile
 from replay.report.report import summarize
+from replay.sim import upper_bound
 from replay.sim.fleet import FleetSpec
 from replay.sim.simulator import Simulator
 from replay.sim.upper_bound import (
     Job,
+    decode_share_costs,
     fraction_of_bound,
     goodput_bound,
     infinite_cache_hits,
@@ -102,3 +106,82 @@ def test_the_bound_is_never_below_a_simulated_run(rate: float) -> None:
     assert frac is not None and 0 < frac <= 1
     if rate == 400.0:  # overloaded: some resource binds below the number of requests
         assert bound.requests < bound.total
+
+
+def test_decode_share_costs_are_exact_for_equal_contexts() -> None:
+    # Equal w: the tangent at alpha = sqrt(w) is exact, K * m * w with K = F / (tau - F).
+    fixed, tau, w = 0.04, 0.1, 0.006
+    forms = decode_share_costs([10, 20], [w, w], fixed, tau)
+    assert forms and all(len(f) == 2 for f in forms)
+    k = fixed / (tau - fixed)
+    assert forms[0] == pytest.approx([k * 10 * w, k * 20 * w])
+    assert decode_share_costs([10], [w], 0.1, 0.1) == []  # tau <= F: no alpha form
+    assert decode_share_costs([0, 0], [w, w], fixed, tau) == []
+
+
+LONG_CONTEXT_PROFILE = "llama2-70b-a100-tp8-2023"  # 44 ms fixed step, 0.34 us per context token
+
+
+def _long_context_trace() -> list[TraceRequest]:
+    # 20k-token prompts: each decoding request adds ~6.9 ms to every step, so at most 8 share
+    # a step within a 100 ms TBT, while the context-free form lets 256 share its fixed cost.
+    return [TraceRequest(i, i * 0.25, 20_000, 101, ()) for i in range(160)]
+
+
+def _long_context_bound(trace: list[TraceRequest]):
+    return goodput_bound(
+        trace,
+        get_profile(LONG_CONTEXT_PROFILE),
+        prefill_instances=64,
+        decode_instances=1,
+        ttft_slo_s=30.0,
+        tbt_slo_s=0.1,
+    )
+
+
+def test_the_context_aware_decode_form_is_tighter_where_contexts_dominate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trace = _long_context_trace()
+    tight = _long_context_bound(trace)
+    monkeypatch.setattr(upper_bound, "decode_share_costs", lambda *a: [])
+    loose = _long_context_bound(trace)
+    assert tight.binding == "decode" == loose.binding
+    # 65 of 160 requests against 113 with the context-free form (a simulated kvcache_centric
+    # run without admission meets the SLOs for 39).
+    assert tight.requests < 0.7 * loose.requests
+
+
+@pytest.mark.parametrize("admission", [AdmissionMode.NONE, AdmissionMode.EARLY])
+def test_the_context_aware_bound_is_never_below_a_simulated_run(admission: AdmissionMode) -> None:
+    trace = _long_context_trace()
+    bound = _long_context_bound(trace)
+    settings = Settings(
+        slo=SLOSettings(ttft_s=30.0, tbt_s=0.1),
+        routing=RoutingSettings(policy="kvcache_centric", block_size=512),
+        admission=AdmissionSettings(mode=admission),
+        predictors=PredictorSettings(profile=LONG_CONTEXT_PROFILE),
+    )
+    fleet = FleetSpec(prefill=64, decode=1, profile=LONG_CONTEXT_PROFILE)
+    result = summarize(Simulator(settings, fleet, trace).run())
+    assert 0 < (result["goodput_rps"] or 0.0) <= bound.goodput_rps
+
+
+def test_prefill_alone_charges_each_prompt_its_own_step() -> None:
+    # 500 short prompts a second on one unchunked prefill instance: the fixed step cost, not
+    # the tokens, limits it, which only the prefill_alone form sees; a simulated run stays below.
+    trace = [TraceRequest(i, i * 0.002, 64, 2, ()) for i in range(400)]
+    kwargs = {"prefill_instances": 1, "decode_instances": 1, "ttft_slo_s": 0.5, "tbt_slo_s": 0.05}
+    profile = get_profile(PROFILE)
+    shared = goodput_bound(trace, profile, **kwargs)
+    alone = goodput_bound(trace, profile, prefill_alone=True, **kwargs)
+    assert shared.by_resource["prefill"] == 400
+    assert alone.by_resource["prefill"] < 0.7 * 400 and alone.binding == "prefill"
+    colocated = goodput_bound(trace, profile, colocated=1, prefill_alone=True, **kwargs)
+    assert colocated.by_resource["prefill"] == 400  # mixed steps share the fixed cost
+    fleet = FleetSpec(prefill=1, decode=1, profile=PROFILE)
+    for admission in (AdmissionMode.NONE, AdmissionMode.EARLY):
+        settings = _settings("kvcache_centric", admission)
+        settings = replace(settings, slo=SLOSettings(ttft_s=0.5, tbt_s=0.05))
+        run = summarize(Simulator(settings, fleet, trace).run())
+        assert 0 < (run["goodput_rps"] or 0.0) <= alone.goodput_rps
