@@ -122,19 +122,14 @@ def window_count(jobs: Sequence[Job], machines: float, length_s: float, offset_s
 
 
 def resource_bound(jobs: Sequence[Job], machines: float) -> int:
-    """``window_count`` minimised over window lengths and offsets: every cut is a valid bound,
-    the smallest is the tightest of them. Lengths: multiples of the longest job interval (no job
-    crosses more than one edge) and of the median and 90th-percentile intervals (where a few
-    jobs are very long, e.g. decodes of thousands of tokens, the long windows leave the many
-    short jobs' contention unseen; the long jobs then cross edges and count as served)."""
+    """``window_count`` minimised over window lengths (multiples of the longest job interval)
+    and offsets: every cut is a valid bound, the smallest is the tightest of them."""
     if not jobs:
         return 0
-    spans = sorted(j.deadline_s - j.release_s for j in jobs)
-    lengths = {spans[-1] * m for m in (1, 2, 4, 8, 16)}
-    for q in (0.5, 0.9):
-        lengths.update(spans[int(q * (len(spans) - 1))] * m for m in (1, 2, 4))
+    span = max(j.deadline_s - j.release_s for j in jobs)
     best = len(jobs)
-    for length in sorted(x for x in lengths if x > 0):
+    for mult in (1, 2, 4, 8, 16):
+        length = span * mult
         for frac in (0.0, 0.25, 0.5, 0.75):
             best = min(best, window_count(jobs, machines, length, frac * length))
     return best
