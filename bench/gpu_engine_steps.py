@@ -42,17 +42,18 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.gpu_attention import DECODE_KERNELS, Shape, reference_attention
-from bench.gpu_step_times import (
+from bench.gpu_points import (
+    DECODE_B,
     DECODE_EXTRA,
+    DECODE_K,
     LLAMA3_8B,
     PREFILL_N,
     PREFILL_PREFIX,
     TINY,
-    sanity,
 )
-from bench.gpu_timing import Timer, kernel_profile
+from bench.gpu_timing import Timer, kernel_profile, sanity
 
-DECODE_POINTS = tuple((b, k) for b in (1, 8, 32, 64) for k in (512, 2048)) + DECODE_EXTRA
+DECODE_POINTS = tuple((b, k) for b in DECODE_B for k in DECODE_K) + DECODE_EXTRA
 DECODE_LARGE = ((128, 2048), (256, 512))  # batches only a graph-captured engine runs cheaply
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]

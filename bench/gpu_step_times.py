@@ -41,36 +41,16 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from bench.gpu_timing import GqaProbe, Timer, kernel_ms, kernel_profile
-
-LLAMA3_8B = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "max_position_embeddings": 32768,
-    "rope_theta": 500000.0,
-}
-TINY = {  # smoke-test shape: same structure (GQA 4:1), runs on a CPU in seconds
-    "hidden_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "intermediate_size": 512,
-    "vocab_size": 1024,
-    "max_position_embeddings": 32768,
-    "rope_theta": 500000.0,
-}
-PREFILL_N = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# fmt: off
-PREFILL_PREFIX = ((256, 2048), (512, 2048), (512, 8192), (1024, 1024), (1024, 4096),
-                  (1024, 8192), (2048, 2048), (2048, 6144), (4096, 4096))  # (new, cached)
-# fmt: on
-DECODE_B = (1, 8, 32, 64)
-DECODE_K = (512, 2048)
-DECODE_EXTRA = ((1, 8192), (8, 8192), (128, 512))  # (B, K): more leverage for the k and b fits
+from bench.gpu_points import (
+    DECODE_B,
+    DECODE_EXTRA,
+    DECODE_K,
+    LLAMA3_8B,
+    PREFILL_N,
+    PREFILL_PREFIX,
+    TINY,
+)
+from bench.gpu_timing import GqaProbe, Timer, kernel_ms, kernel_profile, sanity
 
 
 @dataclass
@@ -287,27 +267,6 @@ def diagnose_graphs(bench: Bench) -> list[dict[str, Any]]:
         del calls
         torch.cuda.empty_cache()
     return out
-
-
-def sanity(device: torch.device, tiny: bool) -> dict[str, float]:
-    """The card's two ceilings as found: a bf16 matmul and a device-to-device copy."""
-    if device.type != "cuda":
-        return {}
-    timer = Timer(device)
-    size = 1024 if tiny else 8192
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    src = torch.randn(1 << 28, device=device, dtype=torch.bfloat16)  # 512 MiB
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        a @ b
-        dst.copy_(src)
-    mm = statistics.median(timer.once(lambda: a @ b)[0] for _ in range(10))
-    cp = statistics.median(timer.once(lambda: dst.copy_(src))[0] for _ in range(10))
-    return {
-        "matmul_bf16_tflops": 2 * size**3 / (mm / 1000.0) / 1e12,
-        "copy_tb_per_s_read_plus_write": 2 * src.numel() * 2 / (cp / 1000.0) / 1e12,
-    }
 
 
 def meta(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:

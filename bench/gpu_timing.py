@@ -1,10 +1,12 @@
-"""Timing tools for bench/gpu_step_times.py: CUDA-event timing (perf_counter on CPU), the
-GPU kernel time of one call from one ``torch.profiler`` pass, and a probe of whether
-transformers' SDPA path used native GQA. Stdlib + torch + transformers only, like its caller:
-both run on a GPU machine without kvgate installed."""
+"""Timing tools for the GPU benches (bench/gpu_step_times.py, bench/gpu_engine_steps.py):
+CUDA-event timing (perf_counter on CPU), the GPU kernel time of one call from one
+``torch.profiler`` pass, the card's matmul and copy ceilings, and a probe of whether
+transformers' SDPA path used native GQA (transformers is imported only there). Stdlib + torch,
+like its callers: they run on a GPU machine without kvgate installed."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -104,3 +106,24 @@ def kernel_profile(fn: Callable[[], Any], device: torch.device) -> tuple[float, 
 def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float | None:
     found = kernel_profile(fn, device)
     return None if found is None else found[0]
+
+
+def sanity(device: torch.device, tiny: bool) -> dict[str, float]:
+    """The card's two ceilings as found: a bf16 matmul and a device-to-device copy."""
+    if device.type != "cuda":
+        return {}
+    timer = Timer(device)
+    size = 1024 if tiny else 8192
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    src = torch.randn(1 << 28, device=device, dtype=torch.bfloat16)  # 512 MiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        a @ b
+        dst.copy_(src)
+    mm = statistics.median(timer.once(lambda: a @ b)[0] for _ in range(10))
+    cp = statistics.median(timer.once(lambda: dst.copy_(src))[0] for _ in range(10))
+    return {
+        "matmul_bf16_tflops": 2 * size**3 / (mm / 1000.0) / 1e12,
+        "copy_tb_per_s_read_plus_write": 2 * src.numel() * 2 / (cp / 1000.0) / 1e12,
+    }
