@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,18 @@ def make_workload(n_prompts: int, words: int, requests: int, zipf_s: float, seed
     return Workload(prompts, picks, users)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One completed request, for per-request analysis of the TTFT tail."""
+
+    pick: int  # system prompt index
+    prompt_tokens: int
+    cached_tokens: int  # as the engine reported
+    engine: str  # x-kvgate-prefill
+    sent_s: float  # since the policy's run started
+    ttft_s: float
+
+
 @dataclass(slots=True)
 class RunResult:
     policy: str
@@ -82,20 +94,20 @@ class RunResult:
     wall_s: float = 0.0
     gateway_metrics: dict[str, float] = field(default_factory=dict)
     predictors: dict[str, Any] = field(default_factory=dict)  # /admin/predictors at the end
-    # (system prompt index, prompt tokens, cached tokens) per completed request
-    per_request: list[tuple[int, int, int]] = field(default_factory=list)
+    per_request: list[RequestRecord] = field(default_factory=list)  # completed, in finish order
+    started_s: float = 0.0  # perf_counter at the run's start
 
     def bound_cached_tokens(self) -> int:
         """Cached tokens with one infinite cache: every repeat of a system prompt reuses the
         most any engine ever reported cached for that prompt in this run."""
         best: dict[int, int] = {}
-        for pick, _, cached in self.per_request:
-            best[pick] = max(best.get(pick, 0), cached)
+        for r in self.per_request:
+            best[r.pick] = max(best.get(r.pick, 0), r.cached_tokens)
         seen: set[int] = set()
         total = 0
-        for pick, _, _ in self.per_request:
-            total += best[pick] if pick in seen else 0
-            seen.add(pick)
+        for r in self.per_request:
+            total += best[r.pick] if r.pick in seen else 0
+            seen.add(r.pick)
         return total
 
     def summary(self) -> dict[str, Any]:
@@ -116,6 +128,7 @@ class RunResult:
             "split": dict(sorted(self.split.items())),
             "gateway_metrics": self.gateway_metrics,
             "predictors": self.predictors,
+            "requests": [asdict(r) for r in self.per_request],
         }
 
 
@@ -139,7 +152,8 @@ async def _one(
             out.errors[str(resp.status)] += 1
             await resp.read()
             return
-        out.split[resp.headers.get("x-kvgate-prefill", "?")] += 1
+        engine = resp.headers.get("x-kvgate-prefill", "?")
+        out.split[engine] += 1
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
@@ -158,7 +172,8 @@ async def _one(
     out.ttft_s.append(first - t0)
     out.prompt_tokens += prompt
     out.cached_tokens += cached
-    out.per_request.append((wl.picks[i], prompt, cached))
+    record = RequestRecord(wl.picks[i], prompt, cached, engine, t0 - out.started_s, first - t0)
+    out.per_request.append(record)
 
 
 async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: float, policy: str):
@@ -167,7 +182,7 @@ async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: 
     queue.reverse()
     deadline = time.monotonic() + budget_s
     timeout = aiohttp.ClientTimeout(total=120)
-    t0 = time.perf_counter()
+    t0 = out.started_s = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def worker() -> None:
@@ -273,6 +288,10 @@ def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -
             stop_engine(e)
 
 
+def _brief(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k != "requests"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--engine", choices=["llamacpp", "vllm"], default="llamacpp")
@@ -311,13 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies.split(","):
             print(f"[{args.engine}] {policy} ...", file=sys.stderr, flush=True)
             summary = run_policy(args, wl, policy, Path(d))
-            print(json.dumps(summary), file=sys.stderr, flush=True)
+            print(json.dumps(_brief(summary)), file=sys.stderr, flush=True)
             results["runs"].append(summary)
-    text = json.dumps(results, indent=2)
-    if args.json:
+    if args.json:  # the file keeps every request's record; stdout only the summaries
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
-    print(text)
+        args.json.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results | {"runs": [_brief(r) for r in results["runs"]]}, indent=2))
     return 0
 
 

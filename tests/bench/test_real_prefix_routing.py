@@ -1,0 +1,35 @@
+"""bench.real_prefix_routing's bookkeeping, without engines: the workload's bound and the
+per-request records the JSON keeps for tail analysis."""
+
+from __future__ import annotations
+
+from bench.real_prefix_routing import RequestRecord, RunResult, _brief
+
+
+def test_the_bound_reuses_the_most_any_engine_cached_for_each_repeat() -> None:
+    out = RunResult("kvcache_centric")
+    out.per_request += [
+        RequestRecord(0, 1000, 0, "e0", 0.0, 0.9),  # first use of prompt 0: counts nothing
+        RequestRecord(1, 800, 0, "e1", 0.1, 0.8),
+        RequestRecord(0, 1000, 960, "e0", 0.2, 0.1),
+        RequestRecord(0, 1000, 500, "e2", 0.3, 0.4),  # a repeat: counted at the best, 960
+    ]
+    assert out.bound_cached_tokens() == 960 + 960
+
+
+def test_the_summary_keeps_every_record_and_the_brief_drops_them() -> None:
+    out = RunResult("round_robin", ttft_s=[0.5, 0.1])
+    out.per_request += [
+        RequestRecord(3, 100, 0, "e1", 0.0, 0.5),
+        RequestRecord(3, 100, 96, "e2", 0.4, 0.1),
+    ]
+    summary = out.summary()
+    assert summary["requests"][1] == {
+        "pick": 3,
+        "prompt_tokens": 100,
+        "cached_tokens": 96,
+        "engine": "e2",
+        "sent_s": 0.4,
+        "ttft_s": 0.1,
+    }
+    assert "requests" not in _brief(summary) and _brief(summary)["completed"] == 2
