@@ -1,6 +1,6 @@
-"""The attention pieces of bench/gpu_engine_steps.py: the model shape, the decode attention
-kernels PyTorch offers (each point of the bench runs the fastest at its shape, as an engine ships
-a tuned decode kernel) and a plain-math reference they are checked against. torch only."""
+"""The attention pieces of bench/gpu_engine_steps.py: the model shape, the prefill and decode
+attention kernels PyTorch offers (each point of the bench runs the fastest at its shape, as an
+engine ships tuned kernels) and a plain-math reference they are checked against. torch only."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +71,34 @@ def _decode_cudnn(s: Shape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-DecodeKernel = Callable[[Shape, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# The decode attention kernels PyTorch offers; each point runs the fastest at its shape, as an
-# engine ships a tuned decode kernel.
-DECODE_KERNELS: dict[str, DecodeKernel] = {
+def _prefill_sdpa(s: Shape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """PyTorch's own choice (FlashAttention-2 or cuDNN): the new tokens see the whole cached
+    prefix through a bottom-right causal bias, no mask tensor, no K/V copy."""
+    n, total = q.shape[2], k.shape[2]
+    mask = causal_lower_right(n, total) if total > n else None
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
+
+
+def _prefill_cudnn(s: Shape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """cuDNN's attention (Hopper-native on an H100) forced, the prefix through a boolean mask
+    where PyTorch would otherwise pick FlashAttention-2."""
+    n, total = q.shape[2], k.shape[2]
+    mask = None
+    if total > n:
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
+
+
+Kernel = Callable[[Shape, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The attention kernels PyTorch offers per step kind; each point runs the fastest at its shape,
+# as an engine ships tuned kernels.
+PREFILL_KERNELS: dict[str, Kernel] = {"sdpa": _prefill_sdpa, "cudnn": _prefill_cudnn}
+DECODE_KERNELS: dict[str, Kernel] = {
     "matmul": _decode_matmul,
     "sdpa_packed": _decode_packed,
     "sdpa_gqa": _decode_gqa,
@@ -89,3 +114,6 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     allowed = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.float()
+
+
+KERNELS: dict[str, dict[str, Kernel]] = {"prefill": PREFILL_KERNELS, "decode": DECODE_KERNELS}

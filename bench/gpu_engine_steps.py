@@ -39,9 +39,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from bench.gpu_attention import DECODE_KERNELS, Shape, reference_attention
+from bench.gpu_attention import KERNELS, Shape, reference_attention
 from bench.gpu_points import (
     DECODE_B,
     DECODE_EXTRA,
@@ -57,6 +56,7 @@ DECODE_POINTS = tuple((b, k) for b in DECODE_B for k in DECODE_K) + DECODE_EXTRA
 DECODE_LARGE = ((128, 2048), (256, 512))  # batches only a graph-captured engine runs cheaply
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
+MAX_ABS_ERROR = 0.05  # bf16 attention against the float reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +75,8 @@ class EngineLlama:
 
     def __init__(self, shape: Shape, device: torch.device, max_positions: int) -> None:
         self.s, self.device, self.dtype = shape, device, torch.bfloat16
-        self.gqa_sdpa = True  # False: K/V repeated to all heads first (see check_attention)
-        self.decode_kernel = "sdpa_packed"  # a DECODE_KERNELS name, picked per point by timing
+        # the KERNELS entry per step kind; each point picks its own by timing
+        self.kernel = {"prefill": "sdpa", "decode": "sdpa_gqa"}
         torch.manual_seed(0)
 
         def w(rows: int, cols: int) -> torch.Tensor:
@@ -126,16 +126,8 @@ class EngineLlama:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, heads, n, d); k, v (B, kv_heads, total, d), the last n positions new."""
-        n, total = q.shape[2], k.shape[2]
-        if n == 1:
-            return DECODE_KERNELS[self.decode_kernel](self.s, q, k, v)
-        mask = causal_lower_right(n, total) if total > n else None
-        if not self.gqa_sdpa:
-            k = k.repeat_interleave(self.s.group, dim=1)
-            v = v.repeat_interleave(self.s.group, dim=1)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.gqa_sdpa
-        )
+        kind = "decode" if q.shape[2] == 1 else "prefill"
+        return KERNELS[kind][self.kernel[kind]](self.s, q, k, v)
 
     def forward(self, ids: torch.Tensor, start: int, cache: KV) -> torch.Tensor:
         """Logits of the last position; writes the n new tokens' K/V at ``start`` in place."""
@@ -161,34 +153,35 @@ class EngineLlama:
 
 
 def check_attention(model: EngineLlama) -> dict[str, float]:
-    """Max abs error of the engine attention against ``reference_attention`` on small cases, so
-    that a fast but wrong kernel path cannot pass unnoticed. Where this torch cannot run the
-    bottom-right causal bias with ``enable_gqa``, falls back to repeating K/V (as HF does) and
-    says so in the JSON rather than losing the run."""
+    """Max abs error of every attention kernel against ``reference_attention`` on small cases,
+    so that a fast but wrong kernel path cannot pass unnoticed. A kernel this torch or GPU
+    lacks is left out (never picked later)."""
     s, out = model.s, {}
-    probe = torch.zeros(1, s.heads, 2, s.head_dim, device=model.device, dtype=model.dtype)
-    kv = torch.zeros(1, s.kv_heads, 4, s.head_dim, device=model.device, dtype=model.dtype)
-    try:
-        model.attention(probe, kv, kv)
-    except RuntimeError as exc:
-        print(f"SDPA refused enable_gqa with the causal bias ({exc}); repeating K/V", flush=True)
-        model.gqa_sdpa = False
-    for name, (n, total) in {"prefill": (24, 24), "prefix": (16, 48), "decode": (1, 40)}.items():
+    cases = {"prefill": (24, 24), "prefix": (16, 48), "decode": (1, 40)}
+    for name, (n, total) in cases.items():
         q = torch.randn(2, s.heads, n, s.head_dim, device=model.device, dtype=model.dtype)
         k = torch.randn(2, s.kv_heads, total, s.head_dim, device=model.device, dtype=model.dtype)
         v = torch.randn_like(k)
         want = reference_attention(q, k, v)
-        kernels = DECODE_KERNELS if n == 1 else {"": None}
-        for kernel in kernels:
-            model.decode_kernel = kernel or model.decode_kernel
+        for kernel, fn in KERNELS["decode" if n == 1 else "prefill"].items():
             try:
-                got = model.attention(q, k, v).float()
-            except RuntimeError as exc:  # a backend this torch/GPU lacks: never picked later
-                print(f"decode kernel {kernel} unavailable: {str(exc)[:200]}", flush=True)
+                got = fn(s, q, k, v).float()
+            except RuntimeError as exc:
+                print(f"{name} kernel {kernel} unavailable: {str(exc)[:200]}", flush=True)
                 continue
-            out[f"{name}_{kernel}" if kernel else name] = float((got - want).abs().max())
-    model.decode_kernel = "sdpa_packed"
+            out[f"{name}:{kernel}"] = float((got - want).abs().max())
     return out
+
+
+def usable_kernels(checks: dict[str, float]) -> dict[str, list[str]]:
+    """Per step kind, the kernels that ran every case of that kind and matched the reference."""
+    by_case: dict[str, set[str]] = {}
+    for key, err in checks.items():
+        case, kernel = key.split(":")
+        if err <= MAX_ABS_ERROR:
+            by_case.setdefault(case, set()).add(kernel)
+    prefill = by_case.get("prefill", set()) & by_case.get("prefix", set())
+    return {"prefill": sorted(prefill), "decode": sorted(by_case.get("decode", set()))}
 
 
 @dataclass
@@ -204,8 +197,8 @@ class Point:
     gpu_kernel_ms: float | None
     top_kernels: list[Any]
     graph_error: str | None = None
-    decode_kernel: str | None = None  # the DECODE_KERNELS entry this point ran
-    decode_kernel_ms: dict[str, float] | None = None  # one layer's attention, each kernel
+    attention_kernel: str | None = None  # the KERNELS entry this point ran
+    attention_kernel_ms: dict[str, float] | None = None  # one layer's attention, each kernel
 
 
 class Bench:
@@ -233,28 +226,24 @@ class Bench:
             fn()
         return graph.replay
 
-    def pick_decode_kernel(self, k: torch.Tensor, v: torch.Tensor, usable: list[str]) -> dict:
-        """Time one layer's decode attention with each usable kernel; the model takes the
-        fastest. Returns {kernel: median ms}."""
+    def pick_kernel(self, kind: str, new: int, k: torch.Tensor, v: torch.Tensor, usable: list[str]):
+        """Time one layer's attention at this point's shape with each usable kernel; the model
+        takes the fastest. Returns {kernel: median ms}."""
         m, batch = self.model, k.shape[0]
-        q = torch.randn(batch, m.s.heads, 1, m.s.head_dim, device=m.device, dtype=m.dtype)
+        q = torch.randn(batch, m.s.heads, new, m.s.head_dim, device=m.device, dtype=m.dtype)
         times = {}
         for name in usable:
-            kernel = DECODE_KERNELS[name]
+            kernel = KERNELS[kind][name]
             times[name] = statistics.median(self.samples(lambda: kernel(m.s, q, k, v)))  # noqa: B023
-        m.decode_kernel = min(times, key=times.__getitem__)
+        m.kernel[kind] = min(times, key=times.__getitem__)
         return times
 
-    def point(
-        self, kind: str, batch: int, new: int, cached: int, usable: list[str] | None = None
-    ) -> Point:
+    def point(self, kind: str, batch: int, new: int, cached: int, usable: list[str]) -> Point:
         m = self.model
         ids = torch.randint(0, m.s.vocab, (batch, new), device=m.device)
         cache = m.new_cache(batch, cached + new)
-        picked = None
-        if kind == "decode" and usable:
-            with torch.inference_mode():
-                picked = self.pick_decode_kernel(*cache[0], usable)
+        with torch.inference_mode():
+            picked = self.pick_kernel(kind, new, *cache[0], usable)
 
         def step() -> torch.Tensor:
             return m.forward(ids, cached, cache)
@@ -281,7 +270,7 @@ class Bench:
             None if profiled is None else profiled[0],
             [] if profiled is None else profiled[1],
             error,
-            m.decode_kernel if kind == "decode" else None,
+            m.kernel[kind],
             picked,
         )
 
@@ -304,7 +293,6 @@ def meta(model: EngineLlama, args: argparse.Namespace, checks: dict[str, float])
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "gqa_native_prefill": model.gqa_sdpa,
         "warmup": args.warmup,
         "reps": args.reps,
         "attention_max_abs_error": checks,
@@ -334,20 +322,20 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         checks = check_attention(model)
     print(f"attention max abs error vs reference: {checks}", flush=True)
-    if max(checks.values()) > 0.05:
-        print("error: the engine attention disagrees with the reference", file=sys.stderr)
+    usable = usable_kernels(checks)
+    if not usable["prefill"] or not usable["decode"]:
+        print(f"error: no attention kernel matched the reference: {checks}", file=sys.stderr)
         return 1
-    usable = sorted({key.split("_", 1)[1] for key in checks if key.startswith("decode_")})
     bench, points = Bench(model, args.warmup, args.reps), []
     todo = plan(args.tiny)
     for i, (kind, batch, new, cached) in enumerate(todo, 1):
-        pt = bench.point(kind, batch, new, cached, usable)
+        pt = bench.point(kind, batch, new, cached, usable[kind])
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the point's cache and graph pool are gone with it
         points.append(pt)
         graph = "-" if pt.median_ms is None else f"{pt.median_ms:.2f}"
         kernels = "-" if pt.gpu_kernel_ms is None else f"{pt.gpu_kernel_ms:.2f}"
-        kernel = f" [{pt.decode_kernel}]" if pt.decode_kernel else ""
+        kernel = f" [{pt.attention_kernel}]"
         print(
             f"[{i}/{len(todo)}] {kind} B={batch} n={new} cached={cached}{kernel}: "
             f"graph {graph} ms, "
