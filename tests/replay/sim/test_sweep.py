@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
+from predictors.profiles import get_profile
+from replay.sim.upper_bound import goodput_bound
 from replay.workload.synthetic import chat_spec, generate, write_mooncake
+from replay.workload.traces import load_mooncake, select
 
 
 @pytest.fixture
@@ -64,7 +67,7 @@ def test_sweep_runs_each_entry_with_conditional_disagg_off_and_on(trace: Path, t
         [
             "sim", "sweep", str(trace),
             "--prefill", "1", "--decode", "1", "--profile", "llama3-8b-h100-tp1",
-            "--speeds", "8", "--ttft-slos", "5", "--compare", "kvcache_centric+early",
+            "--speeds", "8", "--ttft-slos", "1", "--compare", "kvcache_centric+early",
             "--conditional-disagg", "both", "--json", str(out), "--quiet",
         ]
     )  # fmt: skip
@@ -74,3 +77,18 @@ def test_sweep_runs_each_entry_with_conditional_disagg_off_and_on(trace: Path, t
     assert (off["label"], on["label"]) == ("kvcache_centric+early", "kvcache_centric+early+cd")
     assert "local_prefills" not in off
     assert on["local_prefills"] > 0  # 8x load on one prefill instance: short prompts go local
+    # Prefills on the decode instance: the bound's prefill side counts both instances, so no run
+    # exceeds it; a bound on the prefill pool alone, one prompt per step, the cd run does.
+    for run in (off, on):
+        assert run["goodput_rps"] <= point["bound"]["goodput_rps"] + 1e-9
+    pool_only = goodput_bound(
+        select(load_mooncake(trace), speed=8.0),
+        get_profile("llama3-8b-h100-tp1"),
+        prefill_instances=1,
+        decode_instances=1,
+        ttft_slo_s=1.0,
+        tbt_slo_s=0.1,
+        overhead_ms=0.5,
+        prefill_alone=True,
+    )
+    assert on["goodput_rps"] > pool_only.goodput_rps
