@@ -235,6 +235,7 @@ class Conductor(RequestProgress):
             predicted_output,
             self.block_size,
             slo,
+            self.pools.rotation,
         )
         option = self.policy.select_prefill(ctx)
         if option.pull_source not in (None, STORE_SOURCE) and not self.planner.can_issue(

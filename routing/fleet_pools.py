@@ -26,7 +26,7 @@ class ModelPools:
     has_decode_pool: bool = False
 
 
-def _rotated(items: list[InstanceState], k: int) -> list[InstanceState]:
+def rotated(items: list[InstanceState], k: int) -> list[InstanceState]:
     if not items or not k:
         return items
     k %= len(items)
@@ -59,8 +59,8 @@ class FleetPools:
                 pools.decode.append(inst)
         if self.rotation:
             for pools in (fleet, *by_model.values()):
-                pools.prefill = _rotated(pools.prefill, self.rotation)
-                pools.decode = _rotated(pools.decode, self.rotation)
+                pools.prefill = rotated(pools.prefill, self.rotation)
+                pools.decode = rotated(pools.decode, self.rotation)
         self.fleet, self._by_model = fleet, by_model
 
     def for_model(self, model: str | None) -> ModelPools:

@@ -29,6 +29,9 @@ class PlacementContext:
     # The request's effective SLO (priority class and per-request overrides applied), for
     # policies whose placement rule is SLO-driven (rolling_activation's CheckConstraints).
     slo: EffectiveSLO | None = None
+    # Where exact ties start (a gateway replica's rank, Conductor.rotate_ties): replicas
+    # deciding at the same moment on the same books then pick different instances.
+    tie_rotation: int = 0
 
 
 class Policy(Protocol):

@@ -7,8 +7,24 @@ from typing import ClassVar
 
 from config.settings import AdmissionMode
 from routing.estimates import PrefillOption
+from routing.fleet_pools import rotated
 from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, PolicyBase
+
+
+def _by_queue(candidates: list[InstanceState], now: float, rotation: int) -> list[InstanceState]:
+    """Shortest queue first, so that a good option is found early and most others are pruned.
+    Idle instances come first, the one idle longest first: an exact tie (a cold prompt, an
+    idle fleet) then goes to the instance used least recently, which spreads cold work and its
+    prefixes over every instance's cache instead of piling it on the pools' first instance
+    (whose cache then churns while others stay empty). A replica starts ``rotation`` places
+    into that order, so that replicas deciding together still pick different instances."""
+    idle = sorted(
+        (i for i in candidates if i.busy_until_s <= now),
+        key=lambda i: (i.busy_until_s, i.bit_order),
+    )
+    busy = sorted((i for i in candidates if i.busy_until_s > now), key=lambda i: i.busy_until_s)
+    return rotated(idle, rotation) + busy
 
 
 def _argmin_ttft(
@@ -24,9 +40,7 @@ def _argmin_ttft(
     bounds: dict[int, float] = {}
     best: PrefillOption | None = None
     best_ttft = float("inf")
-    # Shortest queue first: a good option is found early and most others are pruned. Idle
-    # instances count as equal (not by when they fell idle): their ties keep the pools' order.
-    for inst in sorted(ctx.prefill_candidates, key=lambda i: max(i.busy_until_s, now)):
+    for inst in _by_queue(ctx.prefill_candidates, now, ctx.tie_rotation):
         queue = inst.busy_until_s - now
         if best is not None:
             key = id(inst.predictors)

@@ -128,15 +128,26 @@ def test_default_decode_choice_is_lowest_predicted_tbt() -> None:
     assert place(c, "r", prompt(1, 8)).decode == "d1"
 
 
-def test_kvcache_centric_breaks_ties_among_idle_instances_in_pool_order() -> None:
-    """Instances that fell idle at different times are equally idle now: the tie goes to the
-    pools' order (a replica's rotation), not to whichever fell idle first."""
+def test_kvcache_centric_breaks_ties_among_idle_instances_idle_longest_first() -> None:
+    """Equally idle instances: the tie goes to the one idle longest (cold work spreads over
+    every cache instead of piling on the first instance); a replica's rotation starts that
+    order further in, so that replicas deciding together pick different instances."""
     c = make_conductor(policy="kvcache_centric", prefill=3)
     busy(c, "p0", 5.0)  # idle again from t=5
     busy(c, "p1", 3.0)  # from t=3
     busy(c, "p2", 4.0)
-    assert place(c, "a", prompt(1, 4), now=10.0).prefill == "p0"
+    assert place(c, "a", prompt(1, 4), now=10.0).prefill == "p1"
     c.rotate_ties(1)
-    assert place(c, "b", prompt(2, 4), now=10.0).prefill == "p1"
+    assert place(c, "b", prompt(2, 4), now=10.0).prefill == "p2"
     c.rotate_ties(2)
-    assert place(c, "c", prompt(3, 4), now=10.0).prefill == "p2"
+    assert place(c, "c", prompt(3, 4), now=10.0).prefill == "p0"
+
+
+def test_cold_prompts_on_an_idle_fleet_rotate_over_the_instances() -> None:
+    c = make_conductor(policy="kvcache_centric", prefill=3)
+    chosen = []
+    for i, now in enumerate((0.0, 100.0, 200.0, 300.0)):  # each finished long before the next
+        d = place(c, f"r{i}", prompt(10 + i, 4), now=now, dispatch=True)
+        chosen.append(d.prefill)
+        c.instances[d.prefill].finish_prefill(f"r{i}", now + 1.0)
+    assert chosen == ["p0", "p1", "p2", "p0"]
