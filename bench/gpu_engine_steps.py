@@ -41,18 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu_attention import KERNELS, Shape, reference_attention
-from bench.gpu_points import (
-    DECODE_B,
-    DECODE_EXTRA,
-    DECODE_K,
-    LLAMA3_8B,
-    PREFILL_N,
-    PREFILL_PREFIX,
-    TINY,
-)
+from bench.gpu_points import DECODE_POINTS, LLAMA3_8B, PREFILL_N, PREFILL_PREFIX, TINY
 from bench.gpu_timing import Timer, kernel_profile, sanity
 
-DECODE_POINTS = tuple((b, k) for b in DECODE_B for k in DECODE_K) + DECODE_EXTRA
 DECODE_LARGE = ((128, 2048), (256, 512))  # batches only a graph-captured engine runs cheaply
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -207,13 +198,7 @@ class Bench:
         self.timer = Timer(model.device)
 
     def samples(self, fn: Callable[[], Any]) -> list[float]:
-        for _ in range(self.warmup):
-            fn()
-        out = []
-        for _ in range(self.reps):
-            self.timer.sync()
-            out.append(self.timer.once(fn)[0])
-        return out
+        return self.timer.samples(fn, self.warmup, self.reps)
 
     def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         stream = torch.cuda.Stream()

@@ -29,3 +29,5 @@ PREFILL_PREFIX = ((256, 2048), (512, 2048), (512, 8192), (1024, 1024), (1024, 40
 DECODE_B = (1, 8, 32, 64)
 DECODE_K = (512, 2048)
 DECODE_EXTRA = ((1, 8192), (8, 8192), (128, 512))  # (B, K): more leverage for the k and b fits
+# (B, K) of every decode point both benches time, in the order they run
+DECODE_POINTS = tuple((b, k) for k in DECODE_K for b in DECODE_B) + DECODE_EXTRA

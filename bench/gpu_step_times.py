@@ -41,15 +41,7 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from bench.gpu_points import (
-    DECODE_B,
-    DECODE_EXTRA,
-    DECODE_K,
-    LLAMA3_8B,
-    PREFILL_N,
-    PREFILL_PREFIX,
-    TINY,
-)
+from bench.gpu_points import DECODE_POINTS, LLAMA3_8B, PREFILL_N, PREFILL_PREFIX, TINY
 from bench.gpu_timing import GqaProbe, Timer, kernel_ms, kernel_profile, sanity
 
 
@@ -194,12 +186,7 @@ class Bench:
                 torch.cat([v, new], dim=-2)
 
         with torch.inference_mode():
-            for _ in range(self.warmup):
-                appends()
-            runs = []
-            for _ in range(self.reps):
-                self.timer.sync()
-                runs.append(self.timer.once(appends)[0])
+            runs = self.timer.samples(appends, self.warmup, self.reps)
             kernels = kernel_ms(appends, self.device)
         return statistics.median(runs), kernels
 
@@ -234,12 +221,7 @@ class Bench:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 call()
-            for _ in range(self.warmup):
-                graph.replay()
-            runs = []
-            for _ in range(self.reps):
-                self.timer.sync()
-                runs.append(self.timer.once(graph.replay)[0])
+            runs = self.timer.samples(graph.replay, self.warmup, self.reps)
             top = kernel_profile(graph.replay, self.device) if diagnose else None
             del graph, call
         return statistics.median(runs), top
@@ -350,9 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1), flush=True)
     prefill_n = PREFILL_N[:3] if args.tiny else PREFILL_N
     prefix = PREFILL_PREFIX[:2] if args.tiny else PREFILL_PREFIX
-    decode = [(b, k) for k in DECODE_K for b in DECODE_B] + list(DECODE_EXTRA)
-    if args.tiny:
-        decode = decode[:3]
+    decode = DECODE_POINTS[:3] if args.tiny else DECODE_POINTS
 
     points: list[Point] = []
 

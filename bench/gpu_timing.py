@@ -41,6 +41,16 @@ class Timer:
         elapsed = (time.perf_counter() - t0) * 1000.0
         return elapsed, elapsed
 
+    def samples(self, fn: Callable[[], Any], warmup: int, reps: int) -> list[float]:
+        """Stream times (ms) of ``reps`` calls after ``warmup`` untimed ones, each synced."""
+        for _ in range(warmup):
+            fn()
+        out = []
+        for _ in range(reps):
+            self.sync()
+            out.append(self.once(fn)[0])
+        return out
+
 
 class GqaProbe:
     """Records whether transformers' SDPA path used native GQA (no mask) on the last forward.

@@ -8,8 +8,8 @@
   forecast counts the requests already on their way there but is never taken below today's
   TBT by predicted departures (routing/decode_placement.py ``predictive_tbt`` says why).
 - best effort (``admission.best_effort``, with early and predictive): a request that misses
-  the TTFT SLO even on an idle instance may be served late when the fleet is idle enough
-  and such prompts pay for themselves (routing/best_effort.py).
+  the TTFT SLO even on an idle instance may be served late when its instance and half the
+  prefill pool are idle and decode has room (routing/best_effort.py).
 - ``peer``: no SLO check; the overload control the placement policy's own system ships with
   (SMG limiter, GIE saturation detector, Dynamo busy thresholds:
   routing/policies/peer_overload.py), for comparing peers as they defend themselves.
