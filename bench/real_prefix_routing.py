@@ -86,9 +86,6 @@ class RequestRecord:
 @dataclass(slots=True)
 class RunResult:
     policy: str
-    ttft_s: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     split: Counter[str] = field(default_factory=Counter)
     wall_s: float = 0.0
@@ -111,16 +108,18 @@ class RunResult:
         return total
 
     def summary(self) -> dict[str, Any]:
-        t = sorted(self.ttft_s)
+        t = sorted(r.ttft_s for r in self.per_request)
+        prompt = sum(r.prompt_tokens for r in self.per_request)
+        cached = sum(r.cached_tokens for r in self.per_request)
         n = len(t)
         return {
             "policy": self.policy,
             "completed": n,
             "errors": dict(self.errors),
-            "engine_hit_ratio": self.cached_tokens / max(1, self.prompt_tokens),
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "bound_hit_ratio": self.bound_cached_tokens() / max(1, self.prompt_tokens),
+            "engine_hit_ratio": cached / max(1, prompt),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "bound_hit_ratio": self.bound_cached_tokens() / max(1, prompt),
             "ttft_mean_s": sum(t) / n if n else None,
             "ttft_p50_s": t[n // 2] if n else None,
             "ttft_p90_s": t[min(n - 1, int(0.9 * n))] if n else None,
@@ -169,9 +168,6 @@ async def _one(
     if first is None:
         out.errors["no_token"] += 1
         return
-    out.ttft_s.append(first - t0)
-    out.prompt_tokens += prompt
-    out.cached_tokens += cached
     record = RequestRecord(wl.picks[i], prompt, cached, engine, t0 - out.started_s, first - t0)
     out.per_request.append(record)
 

@@ -18,7 +18,7 @@ def test_the_bound_reuses_the_most_any_engine_cached_for_each_repeat() -> None:
 
 
 def test_the_summary_keeps_every_record_and_the_brief_drops_them() -> None:
-    out = RunResult("round_robin", ttft_s=[0.5, 0.1])
+    out = RunResult("round_robin")
     out.per_request += [
         RequestRecord(3, 100, 0, "e1", 0.0, 0.5),
         RequestRecord(3, 100, 96, "e2", 0.4, 0.1),
@@ -33,3 +33,4 @@ def test_the_summary_keeps_every_record_and_the_brief_drops_them() -> None:
         "ttft_s": 0.1,
     }
     assert "requests" not in _brief(summary) and _brief(summary)["completed"] == 2
+    assert summary["ttft_mean_s"] == 0.3 and summary["engine_hit_ratio"] == 96 / 200
