@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import signal
 import socket
 import subprocess
@@ -31,7 +32,9 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):
+            # HTTPException: e.g. a poll that, before the gateway listens, connected to itself
+            # (its ephemeral source port was the port asked for) and read its request back
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")

@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--tbt-slo", type=float, default=0.1)
     p.add_argument("--admission", choices=["early", "predictive"], default="early")
-    p.add_argument("--base-port", type=int, default=41000)
+    p.add_argument("--base-port", type=int, default=18950)
     p.add_argument("--workdir", default=None, help="configs and logs (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")

@@ -10,7 +10,9 @@ import pytest
 from bench.emulated_fleet import FleetSpec
 from bench.tenant_fairness import TenantFleet, parse_args, run_config
 
-BASE_PORT = 41040  # the tenants helper's range (41000-41499); real runs use 41000-41002
+# Below the kernel's ephemeral range (32768-60999 here): a health poll on a port in that range
+# before anything listens can connect to itself and read its own request back.
+BASE_PORT = 18940
 TINY = ["--input-tokens", "256", "--output-tokens", "4", "--rate-1x", "4", "--gap-s", "0"]
 
 
