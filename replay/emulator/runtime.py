@@ -2,9 +2,10 @@
 
 One asyncio task sleeps until the engine's next event (model seconds x ``time_scale`` = wall
 seconds), applies it with ``Engine.advance`` and pushes per-request updates: prefill done
-(which makes the first token), every decoded token, finish. Submissions wake the task so a
-newcomer joins at the next step boundary, as in continuous batching. The engine plans one
-step at a time (``max_segment_steps=1``) so tokens come out at the step they are made.
+(which makes the first token), a decode-only request joining the batch, every decoded token,
+finish. Submissions wake the task so a newcomer joins at the next step boundary, as in
+continuous batching. The engine plans one step at a time (``max_segment_steps=1``) so tokens
+come out at the step they are made.
 
 If the event loop falls behind (steps shorter than the loop can serve, e.g. a tiny
 ``time_scale``), steps run back to back and the emulator is slower than the model says, never
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 class Kind(Enum):
     PREFILLED = "prefilled"  # the prefill finished; carries the first token
+    JOINED = "joined"  # the decode batch took the request in (a step boundary)
     TOKENS = "tokens"
     FINISHED = "finished"  # nothing follows
     FAILED = "failed"  # the runtime stopped or crashed; nothing follows
@@ -50,6 +52,7 @@ class RequestStream:
     block_hashes: tuple[int, ...] = ()
     token_ids: Sequence[int] | None = None  # for KV events' token_ids; None if unknown
     updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
+    awaiting_join: bool = False  # a decode-only request, JOINED not yet sent
 
     async def next(self) -> Update:
         return await self.updates.get()
@@ -157,8 +160,9 @@ class EngineRuntime:
         )
         if reason is not None:
             raise Refused(reason)
-        stream = RequestStream(request_id, prompt_tokens, remaining)
+        stream = RequestStream(request_id, prompt_tokens, remaining, awaiting_join=True)
         self._streams[request_id] = stream
+        self._announce_joins()  # an idle engine takes it in at once
         self._kick()
         return stream
 
@@ -249,8 +253,16 @@ class EngineRuntime:
             stream = self._streams.get(seq.request_id)
             if stream is not None:
                 self._finish(stream)
+        self._announce_joins()
         for seq in self.engine.running.values():
             self._report_tokens(seq)
+
+    def _announce_joins(self) -> None:
+        for rid in self.engine.running:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.awaiting_join:
+                stream.awaiting_join = False
+                stream.updates.put_nowait(Update(Kind.JOINED))
 
     def _report_tokens(self, seq: DecodeSeq) -> None:
         new = seq.generated - seq.reported

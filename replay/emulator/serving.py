@@ -9,9 +9,12 @@ Which leg a request is comes from the request itself:
   room), decode leg on a decode instance (waits for the room, then the transfer);
 - anything else -> colocated serving (prefill then decode here), on any role, as vLLM does.
 
-A decode leg produces ``max_tokens`` tokens like the real engines: the first (made by the
-prefill, carried with the KV) as soon as the KV lands, the other ``max_tokens - 1`` by decode
-steps. Errors found before the response starts get a status code (400, 502, 503, 504);
+A decode leg produces ``max_tokens`` tokens like the real engines, the first only once the
+decode batch has taken the request in: vLLM recomputes the last prompt token in its first
+decode step and samples the first token there (the prefill's is dropped), so all
+``max_tokens`` come from decode steps; SGLang's decode sends the prefill's token (carried with
+the KV) at the step boundary where it takes the request in, the other ``max_tokens - 1`` from
+decode steps. Errors found before the response starts get a status code (400, 502, 503, 504);
 the SSE headers are sent only once the request is admitted.
 """
 
@@ -80,7 +83,7 @@ class _Run:
         self.cached_tokens = 0
         self.generated = 0
         self.stream: RequestStream | None = None
-        self.carried_first = False  # decode leg: the prefill's token, sent when the KV lands
+        self.carried_first = False  # SGLang decode leg: the prefill's token, sent at the join
         self.kv_params: dict[str, Any] | None = None  # vLLM prefill leg's answer
         self.finished = False
         self.arrival = asyncio.get_running_loop().time()
@@ -114,10 +117,11 @@ class _Run:
             entry = await pull_kv(st.session, req.kv_transfer_params, st.config.engine_id)
         # Report the prefill's prefix-cache hit: the client's only view of reuse in SGLang.
         self.cached_tokens = entry.cached_tokens
-        self.carried_first = True
-        if self.target > 1:
+        self.carried_first = st.config.protocol is PDProtocol.SGLANG
+        decode = self.target - 1 if self.carried_first else self.target
+        if decode > 0:
             self.stream = self._submit(
-                lambda: st.runtime.submit_decode(self.iid, self.prompt_tokens, self.target - 1)
+                lambda: st.runtime.submit_decode(self.iid, self.prompt_tokens, decode)
             )
 
     def _submit(self, submit: Callable[[], RequestStream]) -> RequestStream:
@@ -129,13 +133,16 @@ class _Run:
 
     async def tokens(self) -> AsyncIterator[int]:
         """Token counts as they are made; ends when the request is done."""
-        if self.carried_first:
+        if self.carried_first and self.stream is None:
             self._count(1)
             yield 1
         while self.stream is not None:
             update = await self.stream.next()
             if update.kind is Kind.PREFILLED:
                 self._prefilled(update.cached_tokens)
+            if update.kind is Kind.JOINED and self.carried_first:
+                self._count(1)
+                yield 1
             if update.tokens:
                 self._count(update.tokens)
                 yield update.tokens

@@ -44,6 +44,10 @@ class DecodeSeq:
     remaining: int  # tokens still to generate
     generated: int = 0
     reported: int = 0  # tokens already reported to the caller's books
+    # When the batch took it in (a step boundary): P/D engines stream the first token from
+    # here on, not from the KV's arrival (vLLM recomputes the last prompt token in this
+    # step; SGLang's decode emits the prefill's token at this scheduler pass).
+    joined_s: float | None = None
 
     @property
     def context(self) -> int:
@@ -166,6 +170,7 @@ class Engine:
         t = self.clock_s
         while self.joining and len(self.running) < self.max_batch:
             seq = self.joining.popleft()
+            seq.joined_s = t
             self.running[seq.request_id] = seq
             self.context_tokens += seq.context
         batch, ctx = len(self.running), self.context_tokens

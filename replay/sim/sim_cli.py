@@ -272,8 +272,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ttft-after-transfer",
         action="store_true",
-        help="TTFT ends when the KV reaches decode (as on the vLLM/SGLang P/D wire) "
-        "instead of at the end of the prefill (Mooncake)",
+        help="the client's first token comes from the decode instance, once its batch takes "
+        "the request in after the KV transfer (the vLLM/SGLang P/D wire; transfer and join "
+        "wait count in TTFT), instead of from the prefill at its end (Mooncake; the join wait "
+        "then counts in the first gap between tokens)",
     )
     p.add_argument(
         "--link-gbps",

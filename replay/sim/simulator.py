@@ -47,9 +47,11 @@ class SimOptions:
     # this many and the engine stops at the trace's length (as if at an end-of-sequence token).
     max_tokens: int = 2048
     # When the client sees the first token. False: at the end of the prefill (Mooncake, which
-    # overlaps the KV transfer with the prefill layer by layer). True: when the KV reached the
-    # decode instance, which streams the first token (vLLM NIXL / SGLang P/D on the wire, and
-    # so the live emulator path).
+    # overlaps the KV transfer with the prefill layer by layer); the wait to join the decode
+    # batch then falls in the first gap between tokens. True: when the decode instance takes
+    # the request into its batch at a step boundary after the KV arrived, and streams the
+    # first token (SGLang P/D on the wire; vLLM NIXL one step later, as the live emulator);
+    # the join wait then counts in TTFT, and the gaps are decode steps.
     ttft_after_transfer: bool = False
     label: str | None = None
 
@@ -258,6 +260,11 @@ class Simulator:
             elif engine.role is Role.DECODE:  # conditional disagg: prefilled where it decodes
                 self._on_kv_arrived(rid, now)
         for seq in report.finished:
+            if self.options.ttft_after_transfer and seq.joined_s is not None:
+                # The decode streams the first token once its batch takes the request in.
+                self._decode_start_s[seq.request_id] = seq.joined_s
+                out = self.outcomes[seq.request_id]
+                out.ttft_s = seq.joined_s - out.arrival_s
             self._complete(seq.request_id, seq.generated + 1, now)
 
     def _on_kv_arrived(self, rid: str, now: float) -> None:

@@ -101,11 +101,12 @@ def test_vllm_prefill_then_decode_pulls_the_pinned_kv() -> None:
             first = await r.content.readline()
             ttft = loop.time() - t0
             events = [json.loads(first.decode()[len("data: ") :]), *await read_sse(r)]
-        assert ttft >= TRANSFER_S * SCALE * 0.99  # really waited for the modelled transfer
+        # Really waited for the modelled transfer, then (as vLLM, which recomputes the last
+        # prompt token) for a decode step that samples the first token itself.
+        assert ttft >= (TRANSFER_S + TIMING.decode_steps(1, 1000, 1)) * SCALE * 0.99
         assert len(p.state.pinned) == 0  # the pull released the prefill's KV
         chunks = events[:-1]
-        # The prefill's token lands with the KV, then max_tokens - 1 decode steps.
-        assert len(chunks) == 8 and events[-1] == "[DONE]"
+        assert len(chunks) == 8 and events[-1] == "[DONE]"  # all max_tokens from decode steps
         assert d.state.engine.batch == 0 and d.state.runtime.inflight == 0
 
         # The KV was pulled: a second decode leg with the same params fails cleanly.

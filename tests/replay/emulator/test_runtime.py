@@ -104,6 +104,28 @@ def test_abort_takes_a_decoding_request_out_of_the_engine() -> None:
     asyncio.run(main())
 
 
+def test_a_decode_request_hears_when_the_batch_takes_it_in() -> None:
+    async def main() -> None:
+        rt = make_runtime()
+        rt.start()
+        loop = asyncio.get_running_loop()
+        first = rt.submit_decode("a", 1000, 50)  # idle engine: joins at once
+        assert first.updates.get_nowait() == Update(Kind.JOINED)
+        assert (await first.next()).kind is Kind.TOKENS  # decoding now, mid-step
+        t0 = loop.time()
+        second = rt.submit_decode("b", 1000, 3)
+        assert second.updates.empty()  # it waits for the step boundary
+        joined = await second.next()
+        waited = loop.time() - t0
+        updates = await drain(second)
+        await rt.stop()
+        assert joined == Update(Kind.JOINED)
+        assert [u.kind for u in updates] == [Kind.TOKENS] * 3 + [Kind.FINISHED]
+        assert waited <= TIMING.decode_steps(2, 2000, 1) * SCALE + 0.05
+
+    asyncio.run(main())
+
+
 def test_decode_refusals_and_unique_ids() -> None:
     async def main() -> None:
         rt = make_runtime(decode_tbt_limit_s=0.001)  # below any step time

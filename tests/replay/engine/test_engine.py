@@ -88,8 +88,11 @@ def test_a_newcomer_joins_at_the_next_step_boundary() -> None:
     cut = e.next_event_s()
     assert cut < seg_end
     assert cut == pytest.approx(T.decode_steps(1, 1000, 3))  # boundary after step 3
+    assert e.running["long"].joined_s == 0.0  # an idle engine takes it in at once
+    assert e.joining[0].joined_s is None  # still waiting for the boundary
     e.advance(cut)
     assert e.batch == 2 and e.running["long"].generated == 3
+    assert e.running["new"].joined_s == pytest.approx(cut)  # P/D's first token streams here
 
 
 def test_local_check_refuses_what_breaks_the_tbt_slo() -> None:

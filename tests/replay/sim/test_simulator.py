@@ -20,7 +20,7 @@ from replay.engine.timing import StepTiming
 from replay.report.report import summarize
 from replay.report.results import Outcome
 from replay.sim.fleet import FleetSpec
-from replay.sim.simulator import Simulator
+from replay.sim.simulator import SimOptions, Simulator
 from replay.workload.synthetic import chat_spec, generate
 from replay.workload.traces import TraceRequest
 
@@ -75,6 +75,24 @@ def test_decode_time_follows_the_step_model() -> None:
     assert r.generated == 11
     # TBT counts decode steps only (the KV transfer overlaps the prefill in Mooncake).
     assert r.tbt_mean_s == pytest.approx(timing.decode_steps(1, 512, 10) / 10)
+
+
+def test_wire_accounting_moves_the_join_wait_from_tbt_into_ttft() -> None:
+    # r1's KV lands while the decode instance is mid-step on r0: it waits for the boundary.
+    trace = [tr(0, 0.0, (1,), 1000), tr(1, 0.0, (2,), 2)]
+    fleet = FleetSpec(prefill=1, decode=1, profile=PROFILE)
+    mooncake = Simulator(settings(), fleet, trace).run().requests[1]
+    wire = Simulator(settings(), fleet, trace, SimOptions(ttft_after_transfer=True)).run()
+    r1 = wire.requests[1]
+    timing = StepTiming.from_profile(get_profile(PROFILE), 0.5)
+    kv = 512 * get_profile(PROFILE).kv_bytes_per_token / (200e9 / 8) + 0.0005
+    assert r1.finish_s == pytest.approx(mooncake.finish_s)  # same schedule, other accounting
+    join_wait = r1.ttft_s - (mooncake.ttft_s + kv)
+    assert join_wait > 0
+    assert mooncake.tbt_mean_s == pytest.approx(r1.tbt_mean_s + join_wait)
+    # The wire's only gap is one decode step of the two-sequence batch.
+    one_step = (timing.decode_steps(2, 1024, 1), timing.decode_steps(2, 2024, 1))
+    assert one_step[0] <= r1.tbt_mean_s <= one_step[1]
 
 
 def _chat(n: int = 400):
