@@ -382,11 +382,14 @@ class Conductor(RequestProgress):
     def kv_event(self, instance_id: str, event: KVEvent, now: float) -> None:
         self._event_fed.add(instance_id)
         self.index.apply(instance_id, event, now)
+        if isinstance(event, BlockRemoved):
+            self.prefix_evicted(instance_id, event.block_hashes, now)
 
     def evict(self, instance_id: str, block_hashes: tuple[int, ...], now: float) -> None:
         """The gateway knows the engine dropped these blocks without an event saying so (a
         llama.cpp slot it reused for another prompt); the instance stays feedback-corrected."""
         self.index.apply(instance_id, BlockRemoved(block_hashes), now)
+        self.prefix_evicted(instance_id, block_hashes, now)
 
     def replication_dropped(self, command_id: str) -> None:
         """A command that will not be executed (dry run): release its in-flight slot."""

@@ -183,6 +183,20 @@ class InstanceState:
             work = self.prefill_queue.pop(rid, None)
             if work is not None:
                 self.queued_tokens -= work.prompt_tokens
+        self._close_up(now)
+
+    def lengthen_prefill(self, request_id: str, duration_s: float, now: float) -> None:
+        """A queued prefill will take longer than predicted (the engine evicted part of the
+        prefix it was to reuse): the prefills behind it move back."""
+        work = self.prefill_queue.get(request_id)
+        if work is None or duration_s <= work.duration_s:
+            return
+        work.duration_s = duration_s
+        work.est_finish_s = work.est_start_s + duration_s
+        self._close_up(now)
+
+    def _close_up(self, now: float) -> None:
+        """Re-anchor the prefills not yet started behind the ones before them."""
         t = now
         for w in self.prefill_queue.values():
             if w.est_start_s > now:

@@ -149,6 +149,32 @@ class RequestProgress:
             )
         return fb
 
+    def prefix_evicted(self, instance_id: str, block_hashes: tuple[int, ...], now: float) -> None:
+        """The engine evicted blocks (a KV event). Queued prefills there that counted on them
+        will recompute that part, so the queue behind them is longer than booked: without
+        this, a prefix evicted while its request waited (long queues at overload) delayed
+        everyone queued after it, and admission kept promising TTFTs the queue could no
+        longer keep. Prefills already started keep their estimate (the engine matched)."""
+        inst = self.instances.get(instance_id)
+        if inst is None or not inst.prefill_queue:
+            return
+        # Gone from the instance, not just moved to its host tier (loaded, not recomputed).
+        removed = {h for h in block_hashes if not self.index.holds(instance_id, h)}
+        if not removed:
+            return
+        for rid, work in list(inst.prefill_queue.items()):
+            rec = self.requests.get(rid)
+            if work.est_start_s <= now or rec is None:
+                continue
+            d, req = rec.decision, rec.request
+            reused = req.block_hashes[: -(-d.cached_tokens // self.block_size)]
+            if removed.isdisjoint(reused):
+                continue
+            kept = next(i for i, h in enumerate(reused) if h in removed)
+            cached = min(kept * self.block_size, req.prompt_tokens - 1)
+            prefill = inst.predictors.prefill.predict(req.prompt_tokens - cached, cached)
+            inst.lengthen_prefill(rid, prefill + d.predicted_load_s, now)
+
     def _drop(self, request_id: str, now: float) -> RequestRecord | None:
         rec = self.requests.pop(request_id, None)
         if rec is None:

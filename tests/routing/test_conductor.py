@@ -8,7 +8,7 @@ import pytest
 
 from config.settings import AdmissionMode, ReplicationSettings, SLOSettings
 from routing.conductor import Conductor
-from routing.types import Decision, Rejection, RejectReason, ReplicationReason
+from routing.types import BlockRemoved, Decision, Rejection, RejectReason, ReplicationReason
 from tests.routing.fleet import busy, fleet_settings, hold, make_conductor, prompt, request
 
 
@@ -341,3 +341,35 @@ def test_listeners_run_before_every_judgement_and_after_every_dispatch() -> None
     assert isinstance(d, Decision)
     c.dispatched(d, req, 0.0)
     assert calls == ["before", "before", "after"]
+
+
+def test_an_evicted_prefix_lengthens_the_queue_behind_its_request() -> None:
+    c = make_conductor()
+    hold(c, "p0", prompt(7, 200))
+    for inst in ("p0", "p1", "p2"):
+        busy(c, inst, 2.0)  # the request waits: the engine has not matched its prefix yet
+    req, d = decide(c, "r", prompt(7, 256))
+    assert isinstance(d, Decision) and d.prefill == "p0" and d.cached_tokens == 200 * 16
+    c.dispatched(d, req, 0.0)
+    behind, d2 = decide(c, "s", prompt(8, 32))
+    assert isinstance(d2, Decision)
+    d2.prefill = "p0"  # pinned behind r, to watch it move
+    c.dispatched(d2, behind, 0.0)
+    p0 = c.instances["p0"]
+    before_s = p0.prefill_queue["s"].est_start_s
+    queue = p0.queue_time(0.5)
+
+    c.kv_event("p0", BlockRemoved(prompt(9, 5)), 0.5)  # someone else's blocks: nothing moves
+    assert p0.queue_time(0.5) == pytest.approx(queue)
+    c.kv_event("p0", BlockRemoved(prompt(7, 100, start=100)), 0.5)  # the second half of r's
+
+    predict = p0.predictors.prefill.predict
+    extra = predict(156 * 16, 100 * 16) - predict(56 * 16, 200 * 16)
+    assert extra > 0.01
+    assert p0.queue_time(0.5) == pytest.approx(queue + extra)
+    assert p0.prefill_queue["s"].est_start_s == pytest.approx(before_s + extra)
+    # Once the engine has started r's prefill it has matched its prefix: nothing moves.
+    p0.finish_prefill("filler-p0-2.0", 2.0)
+    started = p0.queue_time(2.01)
+    c.kv_event("p0", BlockRemoved(prompt(7, 100)), 2.01)
+    assert p0.queue_time(2.01) == pytest.approx(started) == pytest.approx(queue + extra - 1.51)
