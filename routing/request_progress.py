@@ -162,7 +162,7 @@ class RequestProgress:
         removed = {h for h in block_hashes if not self.index.holds(instance_id, h)}
         if not removed:
             return
-        for rid, work in list(inst.prefill_queue.items()):
+        for rid, work in inst.prefill_queue.items():  # lengthening keeps the keys
             rec = self.requests.get(rid)
             if work.est_start_s <= now or rec is None:
                 continue

@@ -52,7 +52,6 @@ class RequestStream:
     block_hashes: tuple[int, ...] = ()
     token_ids: Sequence[int] | None = None  # for KV events' token_ids; None if unknown
     updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
-    awaiting_join: bool = False  # a decode-only request, JOINED not yet sent
 
     async def next(self) -> Update:
         return await self.updates.get()
@@ -92,6 +91,7 @@ class EngineRuntime:
         # Aborted mid-step prefills: they still finish that step and (colocated) join the
         # decode batch, so they are dropped again once they surface.
         self._abandoned: set[str] = set()
+        self._awaiting_join: set[str] = set()  # decode-only requests not yet told JOINED
         self._loop: asyncio.AbstractEventLoop | None = None
         self._t0 = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -160,8 +160,9 @@ class EngineRuntime:
         )
         if reason is not None:
             raise Refused(reason)
-        stream = RequestStream(request_id, prompt_tokens, remaining, awaiting_join=True)
+        stream = RequestStream(request_id, prompt_tokens, remaining)
         self._streams[request_id] = stream
+        self._awaiting_join.add(request_id)
         self._announce_joins()  # an idle engine takes it in at once
         self._kick()
         return stream
@@ -170,6 +171,7 @@ class EngineRuntime:
         """The client left: forget the request and take it out of the engine."""
         if self._streams.pop(request_id, None) is None:
             return
+        self._awaiting_join.discard(request_id)
         if not self.engine.drop(request_id):
             self._abandoned.add(request_id)
         self._kick()
@@ -258,10 +260,13 @@ class EngineRuntime:
             self._report_tokens(seq)
 
     def _announce_joins(self) -> None:
-        for rid in self.engine.running:
+        if not self._awaiting_join:
+            return
+        joined = [rid for rid in self._awaiting_join if rid in self.engine.running]
+        for rid in joined:
+            self._awaiting_join.discard(rid)
             stream = self._streams.get(rid)
-            if stream is not None and stream.awaiting_join:
-                stream.awaiting_join = False
+            if stream is not None:
                 stream.updates.put_nowait(Update(Kind.JOINED))
 
     def _report_tokens(self, seq: DecodeSeq) -> None:
@@ -281,6 +286,7 @@ class EngineRuntime:
         for stream in self._streams.values():
             stream.updates.put_nowait(Update(Kind.FAILED))
         self._streams.clear()
+        self._awaiting_join.clear()
 
 
 def _resolve(fut: asyncio.Future[bool]) -> None:

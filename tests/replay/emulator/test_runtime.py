@@ -122,6 +122,15 @@ def test_a_decode_request_hears_when_the_batch_takes_it_in() -> None:
         assert joined == Update(Kind.JOINED)
         assert [u.kind for u in updates] == [Kind.TOKENS] * 3 + [Kind.FINISHED]
         assert waited <= TIMING.decode_steps(2, 2000, 1) * SCALE + 0.05
+        # A request aborted before its join is forgotten, not awaited for ever.
+        rt2 = make_runtime()
+        rt2.start()
+        rt2.submit_decode("c", 1000, 50)
+        late = rt2.submit_decode("d", 1000, 5)  # waits for the boundary
+        rt2.abort("d")
+        await drain(rt2.submit_decode("e", 500, 2))
+        assert late.updates.empty() and not rt2._awaiting_join
+        await rt2.stop()
 
     asyncio.run(main())
 
