@@ -25,6 +25,12 @@ from routing.types import PrefixMatch, RequestInfo
 STORE_SOURCE = "store"
 
 
+def cached_tokens(blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens ``blocks`` cached blocks spare the prefill: the engine always computes at
+    least the last prompt token."""
+    return max(0, min(blocks * block_size, prompt_tokens - 1))
+
+
 @dataclass(slots=True)
 class PrefillOption:
     instance: InstanceState
@@ -89,8 +95,7 @@ class TTFTEstimator:
         return self.prefill_time(inst, max(self.match.best_blocks, self.match.store_blocks))
 
     def cached_tokens(self, blocks: int) -> int:
-        # The engine always computes at least the last prompt token.
-        return max(0, min(blocks * self.block_size, self.request.prompt_tokens - 1))
+        return cached_tokens(blocks, self.block_size, self.request.prompt_tokens)
 
     def prefill_time(self, inst: InstanceState, blocks: int) -> float:
         key = (id(inst.predictors), blocks)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from predictors.output_length import OutputLengthPredictor
 from routing.cache_feedback import CacheFeedback, assess
-from routing.estimates import STORE_SOURCE
+from routing.estimates import STORE_SOURCE, cached_tokens
 from routing.instance_books import DecodeWork, InstanceState
 from routing.kv_index import KVIndex
 from routing.types import Decision, DecisionStats, RequestInfo
@@ -156,22 +156,28 @@ class RequestProgress:
         everyone queued after it, and admission kept promising TTFTs the queue could no
         longer keep. Prefills already started keep their estimate (the engine matched)."""
         inst = self.instances.get(instance_id)
-        if inst is None or not inst.prefill_queue:
+        if inst is None:
+            return
+        waiting = [
+            (rid, rec)
+            for rid, work in inst.prefill_queue.items()
+            if work.est_start_s > now
+            and (rec := self.requests.get(rid)) is not None
+            and rec.decision.cached_tokens > 0
+        ]
+        if not waiting:  # the common case: look nothing up
             return
         # Gone from the instance, not just moved to its host tier (loaded, not recomputed).
         removed = {h for h in block_hashes if not self.index.holds(instance_id, h)}
         if not removed:
             return
-        for rid, work in inst.prefill_queue.items():  # lengthening keeps the keys
-            rec = self.requests.get(rid)
-            if work.est_start_s <= now or rec is None:
-                continue
+        for rid, rec in waiting:
             d, req = rec.decision, rec.request
             reused = req.block_hashes[: -(-d.cached_tokens // self.block_size)]
-            if removed.isdisjoint(reused):
+            kept = next((i for i, h in enumerate(reused) if h in removed), None)
+            if kept is None:
                 continue
-            kept = next(i for i, h in enumerate(reused) if h in removed)
-            cached = min(kept * self.block_size, req.prompt_tokens - 1)
+            cached = cached_tokens(kept, self.block_size, req.prompt_tokens)
             prefill = inst.predictors.prefill.predict(req.prompt_tokens - cached, cached)
             inst.lengthen_prefill(rid, prefill + d.predicted_load_s, now)
 

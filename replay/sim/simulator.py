@@ -260,18 +260,10 @@ class Simulator:
             elif engine.role is Role.DECODE:  # conditional disagg: prefilled where it decodes
                 self._on_kv_arrived(rid, now)
         for seq in report.finished:
-            if self.options.ttft_after_transfer and seq.joined_s is not None:
-                # The decode streams the first token once its batch takes the request in.
-                self._decode_start_s[seq.request_id] = seq.joined_s
-                out = self.outcomes[seq.request_id]
-                out.ttft_s = seq.joined_s - out.arrival_s
-            self._complete(seq.request_id, seq.generated + 1, now)
+            self._complete(seq.request_id, seq.generated + 1, now, seq.joined_s)
 
     def _on_kv_arrived(self, rid: str, now: float) -> None:
         req = self._requests[rid]
-        if self.options.ttft_after_transfer:  # ... or the decode streams it once the KV is in
-            out = self.outcomes[rid]
-            out.ttft_s = now - out.arrival_s
         engine = self.engines[self._decisions[rid].decode]
         refused = engine.submit_decode(
             DecodeSeq(rid, req.prompt_tokens, self._output[rid] - 1), now
@@ -285,10 +277,16 @@ class Simulator:
         self._decode_start_s[rid] = now
         self._wake(engine)
 
-    def _complete(self, rid: str, generated: int, now: float) -> None:
+    def _complete(
+        self, rid: str, generated: int, now: float, joined_s: float | None = None
+    ) -> None:
         out = self.outcomes[rid]
         out.outcome, out.finish_s, out.generated = Outcome.COMPLETED, now, generated
         start = self._decode_start_s.get(rid)
+        if self.options.ttft_after_transfer and joined_s is not None:
+            # ... or the decode streams it once its batch takes the request in.
+            out.ttft_s = joined_s - out.arrival_s
+            start = joined_s
         if start is not None and generated > 1:
             out.tbt_mean_s = (now - start) / (generated - 1)
         self.conductor.finished(rid, now, output_tokens=generated)
