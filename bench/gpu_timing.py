@@ -128,11 +128,8 @@ def sanity(device: torch.device, tiny: bool) -> dict[str, float]:
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     src = torch.randn(1 << 28, device=device, dtype=torch.bfloat16)  # 512 MiB
     dst = torch.empty_like(src)
-    for _ in range(3):
-        a @ b
-        dst.copy_(src)
-    mm = statistics.median(timer.once(lambda: a @ b)[0] for _ in range(10))
-    cp = statistics.median(timer.once(lambda: dst.copy_(src))[0] for _ in range(10))
+    mm = statistics.median(timer.samples(lambda: a @ b, warmup=3, reps=10))
+    cp = statistics.median(timer.samples(lambda: dst.copy_(src), warmup=3, reps=10))
     return {
         "matmul_bf16_tflops": 2 * size**3 / (mm / 1000.0) / 1e12,
         "copy_tb_per_s_read_plus_write": 2 * src.numel() * 2 / (cp / 1000.0) / 1e12,
