@@ -117,6 +117,14 @@ def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     b = a.best_effort
     c.between("admission.best_effort.idle_share", b.idle_share, 0.0, 1.0)
     c.between("admission.best_effort.max_decode_load", b.max_decode_load, 0.0, 1.0)
+    r = a.decode_reservation
+    key = "admission.decode_reservation."
+    c.between(key + "fraction", r.fraction, 0.0, 0.9)
+    c.between(key + "from_quantile", r.from_quantile, 0.0, 0.99)
+    c.between(key + "min_pressure", r.min_pressure, 0.0, 1.0)
+    c.between(key + "min_admit_ratio", r.min_admit_ratio, 0.0, 1.0)
+    c.at_least(key + "window", r.window, 1)
+    c.at_least(key + "pressure_window", r.pressure_window, 1)
 
 
 # Policies with a shipped overload control (routing/policies/peer_overload.py).

@@ -214,10 +214,33 @@ class BestEffortSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeReservationSettings:
+    """Under decode overload, keep the last ``fraction`` of the TBT limit for shorter prompts
+    (trunk reservation; routing/decode_reservation.py; measured in docs/experiments.md §2.3)."""
+
+    enabled: bool = True
+    # Share of the TBT limit the longest prompts may not use (graded by prompt-length rank).
+    fraction: float = 0.15
+    # Prompts shorter than this quantile of the recent ones keep the whole limit.
+    from_quantile: float = 0.6
+    # How many recent prompts the rank is taken over.
+    window: int = 1000
+    # The starvation floor: prompts at least this long keep at least this share of the
+    # overall admitted share (over ``window``); below it the reserve is waived for them.
+    min_admit_ratio: float = 0.1
+    # On only while at least this share of the recent shorter prompts (those that keep the
+    # whole limit) failed the plain TBT check: the ones the reserve is for are turned away ...
+    min_pressure: float = 0.1
+    # ... counted over this many of them.
+    pressure_window: int = 200
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     mode: AdmissionMode = AdmissionMode.PREDICTIVE
     peer: PeerOverloadSettings = field(default_factory=PeerOverloadSettings)
     best_effort: BestEffortSettings = field(default_factory=BestEffortSettings)
+    decode_reservation: DecodeReservationSettings = field(default_factory=DecodeReservationSettings)
     # Predictions are multiplied by these before the SLO comparison (>1 = conservative).
     ttft_margin: float = 1.0
     tbt_margin: float = 1.0

@@ -240,6 +240,14 @@ class AdminAPI:
                 "decisions": c.stats.decisions,
                 "rejections": c.stats.rejections,
                 "best_effort_admitted": c.stats.best_effort,
+                "decode_reservation": {
+                    "turned_away": c.admission.turned_away_by_reserve,
+                    # per served model ("" = the single-model default): share of recent plain
+                    # TBT checks that failed; the reserve acts above min_pressure
+                    "pressure": {
+                        m or "": round(r.pressure, 4) for m, r in c.admission.reservations.items()
+                    },
+                },
                 "cache_view_blocks": len(c.index),
                 "instances": [self._instance_view(iid) for iid in c.instances],
             }

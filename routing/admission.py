@@ -15,7 +15,9 @@
   routing/policies/peer_overload.py), for comparing peers as they defend themselves.
 
 Priority classes keep a ``headroom`` fraction of each SLO unused: a request is admitted
-only if prediction <= (1 - headroom) * SLO, so lower classes are shed first.
+only if prediction <= (1 - headroom) * SLO, so lower classes are shed first. Under decode
+overload the TBT limit of a long prompt also keeps a reserve for shorter ones
+(``admission.decode_reservation``, routing/decode_reservation.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from config.errors import KvgateError
 from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
+from routing.decode_reservation import DecodeReservation
 from routing.types import Rejection, RejectReason, RequestInfo
 
 
@@ -73,10 +76,12 @@ def resolve_slo(req: RequestInfo, slo: SLOSettings) -> EffectiveSLO:
 
 
 class Admission:
-    __slots__ = ("_peer", "_peer_policy", "settings")
+    __slots__ = ("_peer", "_peer_policy", "reservations", "settings")
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
+        # One per served model: each model's pools, prompt lengths and overload are its own.
+        self.reservations: dict[str | None, DecodeReservation] = {}
         self._peer: Any = None  # the peer's overload control, built for the policy in use
         self._peer_policy: object = None
 
@@ -115,45 +120,72 @@ class Admission:
         s = self.settings
         if s.mode not in SLO_MODES:
             return None
-        ttft_pred = ttft_s * s.ttft_margin
-        limit = slo.ttft_limit_s
-        if ttft_promised and ttft_pred > limit:
-            return Rejection(
-                req.request_id,
-                RejectReason.TTFT_SLO,
-                _message("TTFT", ttft_pred, limit, slo),
-                self._retry(ttft_pred - limit),
-                predicted_ttft_s=ttft_s,
-                predicted_tbt_s=tbt_s,
-                limit_s=limit,
-                priority=slo.priority.name,
+        ttft_pred, tbt_pred = ttft_s * s.ttft_margin, tbt_s * s.tbt_margin
+        plain_fails = tbt_pred > slo.tbt_limit_s
+        reservation = self.reservations.get(req.model)
+        if reservation is None:
+            reservation = DecodeReservation(s.decode_reservation)
+            self.reservations[req.model] = reservation
+        reserve = reservation.reserve(req.prompt_tokens, plain_fails)
+        rejection = None
+        if ttft_promised and ttft_pred > slo.ttft_limit_s:
+            over = ttft_pred - slo.ttft_limit_s
+            rejection = self._rejection(req, slo, "TTFT", ttft_pred, over, ttft_s, tbt_s)
+        elif tbt_pred > slo.tbt_limit_s * (1.0 - reserve):
+            rejection = self._rejection(
+                req, slo, "TBT", tbt_pred, tbt_retry_s, ttft_s, tbt_s, reserve
             )
-        tbt_pred = tbt_s * s.tbt_margin
-        limit = slo.tbt_limit_s
-        if tbt_pred > limit:
-            return Rejection(
-                req.request_id,
-                RejectReason.TBT_SLO,
-                _message("TBT", tbt_pred, limit, slo),
-                self._retry(tbt_retry_s),
-                predicted_ttft_s=ttft_s,
-                predicted_tbt_s=tbt_s,
-                limit_s=limit,
-                priority=slo.priority.name,
-            )
-        return None
+            reservation.turned_away += not plain_fails
+        # Every request checked counts in the reservation's windows, even one the TTFT fails.
+        reservation.record(req.prompt_tokens, rejection is None)
+        return rejection
+
+    @property
+    def turned_away_by_reserve(self) -> int:
+        """Rejections the decode reservation made that the plain TBT check would have admitted."""
+        return sum(r.turned_away for r in self.reservations.values())
+
+    def _rejection(
+        self,
+        req: RequestInfo,
+        slo: EffectiveSLO,
+        what: str,
+        predicted: float,
+        retry_s: float,
+        ttft_s: float,
+        tbt_s: float,
+        reserve: float = 0.0,
+    ) -> Rejection:
+        if what == "TTFT":
+            reason, limit = RejectReason.TTFT_SLO, slo.ttft_limit_s
+        else:
+            reason, limit = RejectReason.TBT_SLO, slo.tbt_limit_s * (1.0 - reserve)
+        return Rejection(
+            req.request_id,
+            reason,
+            _message(what, predicted, limit, slo, reserve),
+            self._retry(retry_s),
+            predicted_ttft_s=ttft_s,
+            predicted_tbt_s=tbt_s,
+            limit_s=limit,
+            priority=slo.priority.name,
+        )
 
     def _retry(self, seconds: float) -> float:
         return _clamp(seconds, self.settings.retry_after_min_s, self.settings.retry_after_max_s)
 
 
-def _message(what: str, predicted: float, limit: float, slo: EffectiveSLO) -> str:
+def _message(
+    what: str, predicted: float, limit: float, slo: EffectiveSLO, reserve: float = 0.0
+) -> str:
     extra = ""
     if slo.priority.headroom > 0:
         extra = (
             f" ({slo.priority.name} priority keeps {slo.priority.headroom:.0%} headroom"
             f" of the {(slo.ttft_s if what == 'TTFT' else slo.tbt_s) * 1000:.0f} ms SLO)"
         )
+    if reserve > 0:
+        extra += f"; under decode overload {reserve:.0%} of it is kept for shorter prompts"
     return (
         f"predicted {what} {predicted * 1000:.0f} ms exceeds the {what} SLO limit"
         f" {limit * 1000:.0f} ms{extra}"

@@ -110,6 +110,9 @@ def base_settings(args: argparse.Namespace) -> Settings:
     if getattr(args, "best_effort", None):
         best_effort = replace(admission.best_effort, enabled=args.best_effort == "on")
         admission = replace(admission, best_effort=best_effort)
+    if getattr(args, "decode_reservation", None):
+        reservation = replace(admission.decode_reservation, enabled=args.decode_reservation == "on")
+        admission = replace(admission, decode_reservation=reservation)
     predictors = settings.predictors
     if getattr(args, "link_gbps", None) is not None:
         # Sets the Conductor's transfer predictor and the simulated network alike.
@@ -268,6 +271,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         help="admission.best_effort.enabled: serve late, when the fleet is idle enough, a "
         "prompt that misses the TTFT SLO even on an idle instance (default: the config's, on)",
+    )
+    p.add_argument(
+        "--decode-reservation",
+        choices=["on", "off"],
+        help="admission.decode_reservation.enabled: under decode overload, keep part of the "
+        "TBT limit for shorter prompts (default: the config's, on)",
     )
     p.add_argument(
         "--ttft-after-transfer",

@@ -139,6 +139,8 @@ class Simulator:
         self.result.extra["cache_capacity_blocks"] = next(
             (e.cache.capacity_blocks for e in self.engines.values() if e.cache is not None), 0
         )
+        # Rejections the decode reservation made that the plain TBT check would have admitted.
+        self.result.extra["reserve_turned_away"] = self.conductor.admission.turned_away_by_reserve
         return self.result
 
     # ------------------------------------------------------------------ arrivals

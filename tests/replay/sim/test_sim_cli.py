@@ -157,3 +157,18 @@ def test_best_effort_switch(trace: Path, tmp_path: Path) -> None:
     assert on["best_effort_admitted"] > 0 and off["best_effort_admitted"] == 0
     assert on["rejected"] < off["rejected"]
     assert on["promised_slo_miss_ratio"] <= on["admitted_slo_miss_ratio"]
+
+
+def test_decode_reservation_switch(trace: Path, tmp_path: Path) -> None:
+    """One decode instance and a tight TBT SLO overload decode: with the reservation on, some
+    long prompts the plain TBT check would admit are turned away (counted in the report)."""
+    runs = {}
+    for switch in ("on", "off"):
+        out = tmp_path / f"{switch}.json"
+        args = ["sim", str(trace), "--prefill", "2", "--decode", "1", "--quiet"]
+        args += ["--profile", "llama3-8b-h100-tp1", "--policy", "kvcache_centric"]
+        args += ["--admission", "early", "--tbt-slo", "0.01", "--decode-reservation", switch]
+        assert main([*args, "--json", str(out)]) == 0
+        runs[switch] = json.loads(out.read_text())["runs"][0]
+    assert runs["on"]["reserve_turned_away"] > 0 and runs["off"]["reserve_turned_away"] == 0
+    assert runs["on"]["rejected"] > runs["off"]["rejected"]
