@@ -90,13 +90,13 @@ class DecodeReservation:
     def __init__(self, settings: DecodeReservationSettings) -> None:
         self.settings = settings
         self.prompts = RecentRank(settings.window)
-        self._outcomes: deque[bool] = deque()  # recent plain TBT checks: failed?
+        self._outcomes: deque[bool] = deque()  # shorter prompts' plain TBT checks: failed?
         self._failed = 0
         self.turned_away = 0  # rejections the plain check would have admitted
 
     @property
     def pressure(self) -> float:
-        """Share of the recent plain TBT checks that failed."""
+        """Share of the recent shorter prompts whose plain TBT check failed."""
         return self._failed / len(self._outcomes) if self._outcomes else 0.0
 
     def reserve(self, prompt_tokens: int, plain_tbt_fails: bool) -> float:
