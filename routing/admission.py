@@ -113,10 +113,12 @@ class Admission:
         tbt_s: float,
         tbt_retry_s: float,
         ttft_promised: bool = True,
+        retry: bool = False,
     ) -> Rejection | None:
         """``tbt_s`` is the current TBT for ``early`` and the forecast for ``predictive``.
         ``ttft_promised=False``: a best-effort admission (routing/best_effort.py), judged on
-        the TBT only."""
+        the TBT only. ``retry``: the request was checked before (placed again after a failed
+        instance); the reservation's windows count it once."""
         s = self.settings
         if s.mode not in SLO_MODES:
             return None
@@ -126,7 +128,7 @@ class Admission:
         if reservation is None:
             reservation = DecodeReservation(s.decode_reservation)
             self.reservations[req.model] = reservation
-        reserve = reservation.reserve(req.prompt_tokens, plain_fails)
+        reserve = reservation.reserve(req.prompt_tokens, plain_fails, count=not retry)
         rejection = None
         if ttft_promised and ttft_pred > slo.ttft_limit_s:
             over = ttft_pred - slo.ttft_limit_s
@@ -137,7 +139,8 @@ class Admission:
             )
             reservation.turned_away += not plain_fails
         # Every request checked counts in the reservation's windows, even one the TTFT fails.
-        reservation.record(req.prompt_tokens, rejection is None)
+        if not retry:
+            reservation.record(req.prompt_tokens, rejection is None)
         return rejection
 
     @property

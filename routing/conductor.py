@@ -265,7 +265,7 @@ class Conductor(RequestProgress):
                 req, option, tbt_check, slo, self.settings.admission, prefill_pool, now
             )
             rejection = self.admission.check(
-                req, slo, option.ttft_s, tbt_check, retry_s, ttft_promised=not late
+                req, slo, option.ttft_s, tbt_check, retry_s, not late, retry=bool(exclude)
             )
         if rejection is not None:
             self._count_rejection(rejection)

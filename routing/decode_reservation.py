@@ -99,13 +99,16 @@ class DecodeReservation:
         """Share of the recent shorter prompts whose plain TBT check failed."""
         return self._failed / len(self._outcomes) if self._outcomes else 0.0
 
-    def reserve(self, prompt_tokens: int, plain_tbt_fails: bool) -> float:
-        """The fraction of the TBT limit this request may not use. Counts the plain check."""
+    def reserve(self, prompt_tokens: int, plain_tbt_fails: bool, count: bool = True) -> float:
+        """The fraction of the TBT limit this request may not use. Counts the plain check
+        unless ``count`` is False (a retry of a request already counted)."""
         s = self.settings
         if not s.enabled:
             return 0.0
         rank = self.prompts.rank(prompt_tokens)
         if rank <= s.from_quantile:
+            if not count:
+                return 0.0
             # Pressure is counted on the prompts the reserve is for: while they pass the plain
             # check, room held back from long prompts would only stay idle.
             self._outcomes.append(plain_tbt_fails)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from config.settings import (
     AdmissionMode,
     AdmissionSettings,
+    DecodeReservationSettings,
     InstanceSettings,
     PoolSettings,
     Role,
@@ -50,7 +51,7 @@ class BenchResult:
         return d
 
 
-def build_settings(instances: int, block_size: int = 16) -> Settings:
+def build_settings(instances: int, block_size: int = 16, reservation: bool = True) -> Settings:
     def pool(name: str, role: Role, port: int) -> PoolSettings:
         return PoolSettings(
             name=name,
@@ -64,7 +65,10 @@ def build_settings(instances: int, block_size: int = 16) -> Settings:
     return Settings(
         slo=SLOSettings(ttft_s=30.0, tbt_s=0.1),
         routing=RoutingSettings(policy="kvcache_centric", block_size=block_size),
-        admission=AdmissionSettings(mode=AdmissionMode.PREDICTIVE),
+        admission=AdmissionSettings(
+            mode=AdmissionMode.PREDICTIVE,
+            decode_reservation=DecodeReservationSettings(enabled=reservation),
+        ),
         pools=(pool("prefill", Role.PREFILL, 9000), pool("decode", Role.DECODE, 12000)),
     )
 
@@ -133,9 +137,15 @@ def warm(conductor: Conductor, work: _Workload, rng: random.Random) -> float:
     return now
 
 
-def run(instances: int, prompt_blocks: int, requests: int = 2000, seed: int = 0) -> BenchResult:
+def run(
+    instances: int,
+    prompt_blocks: int,
+    requests: int = 2000,
+    seed: int = 0,
+    reservation: bool = True,
+) -> BenchResult:
     rng = random.Random(seed)
-    settings = build_settings(instances)
+    settings = build_settings(instances, reservation=reservation)
     # Admit everything during warm-up so the state is as loaded as asked.
     conductor = Conductor(replace(settings, admission=AdmissionSettings(mode=AdmissionMode.NONE)))
     work = _Workload(rng, prompt_blocks, settings.routing.block_size)
@@ -186,6 +196,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep", action="store_true", help="run N in {8,16,64} x B in {16,64,256}"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--decode-reservation",
+        choices=["on", "off"],
+        default="on",
+        help="admission.decode_reservation (default on, as served); off shows its cost",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 
@@ -203,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
     )
     results = []
     for n, b in grid:
-        res = run(n, b, args.requests, args.seed)
+        res = run(n, b, args.requests, args.seed, args.decode_reservation == "on")
         results.append(res.as_dict())
         if not args.json:
             print(

@@ -145,3 +145,15 @@ def test_each_model_keeps_its_own_reservation() -> None:
     assert adm.reservations["b"].pressure == 0.0
     rej = adm.check(replace(_req("a-long", 50_000), model="a"), slo, 1.0, 0.085, 1.0)
     assert rej is not None and adm.turned_away_by_reserve == 1
+
+
+def test_a_retry_is_counted_once() -> None:
+    """A request placed again after a failed instance (``retry``) is judged with the reserve but
+    not counted again in the windows."""
+    adm = Admission(AdmissionSettings(mode=AdmissionMode.EARLY, decode_reservation=SETTINGS))
+    slo = resolve_slo(_req("x", 1), SLOSettings(ttft_s=5.0, tbt_s=0.1))
+    adm.check(_req("r", 1000), slo, 1.0, 0.2, 1.0)
+    res = adm.reservations[None]
+    seen = (len(res.prompts), res.pressure)
+    adm.check(_req("r", 1000), slo, 1.0, 0.2, 1.0, retry=True)
+    assert (len(res.prompts), res.pressure) == seen == (1, 1.0)
