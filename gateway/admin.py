@@ -242,8 +242,8 @@ class AdminAPI:
                 "best_effort_admitted": c.stats.best_effort,
                 "decode_reservation": {
                     "turned_away": c.admission.turned_away_by_reserve,
-                    # per served model ("" = the single-model default): share of recent plain
-                    # TBT checks that failed; the reserve acts above min_pressure
+                    # per served model ("" = the single-model default): share of the recent
+                    # shorter prompts that failed the plain TBT check; it acts above min_pressure
                     "pressure": {
                         m or "": round(r.pressure, 4) for m, r in c.admission.reservations.items()
                     },
