@@ -130,12 +130,16 @@ class Admission:
             self.reservations[req.model] = reservation
         reserve = reservation.reserve(req.prompt_tokens, plain_fails, count=not retry)
         rejection = None
-        if ttft_promised and ttft_pred > slo.ttft_limit_s:
-            over = ttft_pred - slo.ttft_limit_s
-            rejection = self._rejection(req, slo, "TTFT", ttft_pred, over, ttft_s, tbt_s)
-        elif tbt_pred > slo.tbt_limit_s * (1.0 - reserve):
+        ttft_limit, tbt_limit = slo.ttft_limit_s, slo.tbt_limit_s * (1.0 - reserve)
+        predicted = (ttft_s, tbt_s)
+        if ttft_promised and ttft_pred > ttft_limit:
+            over = ttft_pred - ttft_limit
             rejection = self._rejection(
-                req, slo, "TBT", tbt_pred, tbt_retry_s, ttft_s, tbt_s, reserve
+                req, slo, RejectReason.TTFT_SLO, ttft_pred, ttft_limit, over, predicted
+            )
+        elif tbt_pred > tbt_limit:
+            rejection = self._rejection(
+                req, slo, RejectReason.TBT_SLO, tbt_pred, tbt_limit, tbt_retry_s, predicted, reserve
             )
             reservation.turned_away += not plain_fails
         # Every request checked counts in the reservation's windows, even one the TTFT fails.
@@ -152,24 +156,21 @@ class Admission:
         self,
         req: RequestInfo,
         slo: EffectiveSLO,
-        what: str,
+        reason: RejectReason,
         predicted: float,
+        limit: float,
         retry_s: float,
-        ttft_s: float,
-        tbt_s: float,
+        predictions: tuple[float, float],  # (TTFT, TBT) as predicted, before the margins
         reserve: float = 0.0,
     ) -> Rejection:
-        if what == "TTFT":
-            reason, limit = RejectReason.TTFT_SLO, slo.ttft_limit_s
-        else:
-            reason, limit = RejectReason.TBT_SLO, slo.tbt_limit_s * (1.0 - reserve)
+        what = "TTFT" if reason is RejectReason.TTFT_SLO else "TBT"
         return Rejection(
             req.request_id,
             reason,
             _message(what, predicted, limit, slo, reserve),
             self._retry(retry_s),
-            predicted_ttft_s=ttft_s,
-            predicted_tbt_s=tbt_s,
+            predicted_ttft_s=predictions[0],
+            predicted_tbt_s=predictions[1],
             limit_s=limit,
             priority=slo.priority.name,
         )

@@ -8,7 +8,7 @@ dispatched, with predicted durations, and corrects them when engines report prog
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from config.settings import Role
@@ -185,15 +185,18 @@ class InstanceState:
                 self.queued_tokens -= work.prompt_tokens
         self._close_up(now)
 
-    def lengthen_prefill(self, request_id: str, duration_s: float, now: float) -> None:
-        """A queued prefill will take longer than predicted (the engine evicted part of the
-        prefix it was to reuse): the prefills behind it move back."""
-        work = self.prefill_queue.get(request_id)
-        if work is None or duration_s <= work.duration_s:
-            return
-        work.duration_s = duration_s
-        work.est_finish_s = work.est_start_s + duration_s
-        self._close_up(now)
+    def lengthen_prefills(self, durations: Mapping[str, float], now: float) -> None:
+        """Queued prefills will take longer than predicted (the engine evicted part of the
+        prefix they were to reuse): the prefills behind them move back, in one pass."""
+        longer = False
+        for rid, duration_s in durations.items():
+            work = self.prefill_queue.get(rid)
+            if work is not None and duration_s > work.duration_s:
+                work.duration_s = duration_s
+                work.est_finish_s = work.est_start_s + duration_s
+                longer = True
+        if longer:
+            self._close_up(now)
 
     def _close_up(self, now: float) -> None:
         """Re-anchor the prefills not yet started behind the ones before them."""

@@ -171,6 +171,7 @@ class RequestProgress:
         removed = {h for h in block_hashes if not self.index.holds(instance_id, h)}
         if not removed:
             return
+        longer: dict[str, float] = {}
         for rid, rec in waiting:
             d, req = rec.decision, rec.request
             reused = req.block_hashes[: -(-d.cached_tokens // self.block_size)]
@@ -179,7 +180,8 @@ class RequestProgress:
                 continue
             cached = cached_tokens(kept, self.block_size, req.prompt_tokens)
             prefill = inst.predictors.prefill.predict(req.prompt_tokens - cached, cached)
-            inst.lengthen_prefill(rid, prefill + d.predicted_load_s, now)
+            longer[rid] = prefill + d.predicted_load_s
+        inst.lengthen_prefills(longer, now)
 
     def _drop(self, request_id: str, now: float) -> RequestRecord | None:
         rec = self.requests.pop(request_id, None)

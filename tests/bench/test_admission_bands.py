@@ -37,8 +37,7 @@ def test_cli_runs_both_settings_and_writes_json(tmp_path: Path, capsys) -> None:
     args = [str(trace), "--prefill", "2", "--decode", "1", "--profile", "llama3-8b-h100-tp1"]
     args += ["--tbt-slo", "0.01", "--admission", "early", "--json", str(out)]
     assert main(args) == 0
-    report = json.loads(out.read_text())
-    off, on = report["reservation_off"], report["reservation_on"]
+    off, on = json.loads(out.read_text())["runs"]
     assert off["reserve_turned_away"] == 0 and on["reserve_turned_away"] > 0
     assert sum(b["requests"] for b in on["bands"]) == 120
     assert "reservation off" in capsys.readouterr().out

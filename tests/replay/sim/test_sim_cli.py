@@ -142,17 +142,24 @@ def test_policy_params_and_link_bandwidth(trace: Path, tmp_path: Path) -> None:
     assert run["policy"] == "rolling_activation" and run["requests"] == 150
 
 
-def test_best_effort_switch(trace: Path, tmp_path: Path) -> None:
-    """A TTFT SLO shorter than the longer prompts' prefill: served late with best effort on
-    (counted apart in the report), rejected with it off."""
+def _on_and_off(trace: Path, tmp_path: Path, flag: str, *args: str) -> dict[str, dict]:
+    """One early-admission kvcache_centric run per setting of an on|off ``flag``."""
     runs = {}
     for switch in ("on", "off"):
         out = tmp_path / f"{switch}.json"
-        args = ["sim", str(trace), "--prefill", "2", "--decode", "2", "--quiet"]
-        args += ["--profile", "llama3-8b-h100-tp1", "--policy", "kvcache_centric"]
-        args += ["--admission", "early", "--ttft-slo", "0.02", "--best-effort", switch]
-        assert main([*args, "--json", str(out)]) == 0
+        cmd = ["sim", str(trace), "--quiet", "--profile", "llama3-8b-h100-tp1"]
+        cmd += ["--policy", "kvcache_centric", "--admission", "early", *args, flag, switch]
+        assert main([*cmd, "--json", str(out)]) == 0
         runs[switch] = json.loads(out.read_text())["runs"][0]
+    return runs
+
+
+def test_best_effort_switch(trace: Path, tmp_path: Path) -> None:
+    """A TTFT SLO shorter than the longer prompts' prefill: served late with best effort on
+    (counted apart in the report), rejected with it off."""
+    runs = _on_and_off(
+        trace, tmp_path, "--best-effort", "--prefill", "2", "--decode", "2", "--ttft-slo", "0.02"
+    )
     on, off = runs["on"], runs["off"]
     assert on["best_effort_admitted"] > 0 and off["best_effort_admitted"] == 0
     assert on["rejected"] < off["rejected"]
@@ -162,13 +169,16 @@ def test_best_effort_switch(trace: Path, tmp_path: Path) -> None:
 def test_decode_reservation_switch(trace: Path, tmp_path: Path) -> None:
     """One decode instance and a tight TBT SLO overload decode: with the reservation on, some
     long prompts the plain TBT check would admit are turned away (counted in the report)."""
-    runs = {}
-    for switch in ("on", "off"):
-        out = tmp_path / f"{switch}.json"
-        args = ["sim", str(trace), "--prefill", "2", "--decode", "1", "--quiet"]
-        args += ["--profile", "llama3-8b-h100-tp1", "--policy", "kvcache_centric"]
-        args += ["--admission", "early", "--tbt-slo", "0.01", "--decode-reservation", switch]
-        assert main([*args, "--json", str(out)]) == 0
-        runs[switch] = json.loads(out.read_text())["runs"][0]
+    runs = _on_and_off(
+        trace,
+        tmp_path,
+        "--decode-reservation",
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--tbt-slo",
+        "0.01",
+    )
     assert runs["on"]["reserve_turned_away"] > 0 and runs["off"]["reserve_turned_away"] == 0
     assert runs["on"]["rejected"] > runs["off"]["rejected"]
