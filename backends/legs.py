@@ -42,6 +42,9 @@ class ForwardPlan:
     headers: dict[str, str] = field(default_factory=dict)  # X-Request-Id, traceparent, ...
     timeout_s: float = 600.0
     on_prefill_done: Callable[[], None] | None = None  # vLLM: prefill leg answered
+    # Late decode binding (vLLM: the decode leg is sent after the prefill answered): asked
+    # just before ``on_prefill_done``; a Target moves the decode leg there.
+    rebind_decode: Callable[[], Target | None] | None = None
     raw_body: bytes | None = None  # ``body`` as the client sent it, forwarded when unchanged
 
 

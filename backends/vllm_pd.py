@@ -137,8 +137,7 @@ class VLLMDriver:
         params = transfer_params(answer)
         if params is None:
             raise UpstreamError(plan.prefill.instance_id, 502, _NO_PARAMS)
-        if plan.on_prefill_done is not None:
-            plan.on_prefill_done()
+        _prefill_answered(plan)
         # From here the prefill engine holds the prompt's blocks for this decode leg: deliver
         # it even if this request is cancelled, then abort it (the decode engine frees them).
         post = asyncio.ensure_future(
@@ -194,11 +193,18 @@ class VLLMDriver:
         self, session: aiohttp.ClientSession | None, plan: ForwardPlan
     ) -> UpstreamResponse:
         await self._prefill(session, plan, one_token_body(plan.body))
-        if plan.on_prefill_done is not None:
-            plan.on_prefill_done()
+        _prefill_answered(plan)
         body = plan.raw_body if plan.raw_body is not None else plan.body
         leg = await post_leg(session, plan.decode, plan, body, self.client)
         return UpstreamResponse(leg, plan.decode.instance_id)
+
+
+def _prefill_answered(plan: ForwardPlan) -> None:
+    """The decode leg is not sent yet: late decode binding may still move it."""
+    if plan.rebind_decode is not None and (moved := plan.rebind_decode()) is not None:
+        plan.decode = moved
+    if plan.on_prefill_done is not None:
+        plan.on_prefill_done()
 
 
 def _note_stranded(plan: ForwardPlan, exc: UpstreamError) -> None:

@@ -62,6 +62,8 @@ def _check_slo(c: Checker, slo: SLOSettings) -> None:
         c.unique(f"{key}.name", p.name, names, "priority name")
         c.unique(f"{key}.level", p.level, levels, "priority level")
         c.fraction(f"{key}.headroom", p.headroom)
+        if p.tbt_headroom is not None:
+            c.fraction(f"{key}.tbt_headroom", p.tbt_headroom)
         c.positive(f"{key}.ttft_s", p.ttft_s)
         c.positive(f"{key}.tbt_s", p.tbt_s)
     known = ", ".join(f'"{p.name}"' for p in slo.priorities) or "none defined"
@@ -125,6 +127,13 @@ def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     c.between(key + "min_admit_ratio", r.min_admit_ratio, 0.0, 1.0)
     c.at_least(key + "window", r.window, 1)
     c.at_least(key + "pressure_window", r.pressure_window, 1)
+    h = a.tbt_headroom
+    key = "admission.tbt_headroom."
+    c.between(key + "target_miss", h.target_miss, 0.0, 1.0)
+    c.at_least(key + "window", h.window, 1)
+    c.between(key + "raise_step", h.raise_step, 0.0, 1.0)
+    c.between(key + "lower_step", h.lower_step, 0.0, 1.0)
+    c.between(key + "min_share", h.min_share, 0.0, 1.0)
 
 
 # Policies with a shipped overload control (routing/policies/peer_overload.py).

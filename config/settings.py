@@ -93,6 +93,8 @@ class PriorityClass:
 
     ``headroom`` is the fraction of the SLO a request of this class must leave unused to be
     admitted: lower classes keep headroom for higher ones and so are shed first.
+    ``tbt_headroom`` is the same for the TBT SLO alone (None = ``headroom``); the share of it
+    in force adapts to the decodes' outcomes (``admission.tbt_headroom``).
     ``ttft_s``/``tbt_s`` override the global SLO for the class when set.
     """
 
@@ -101,6 +103,12 @@ class PriorityClass:
     headroom: float = 0.0
     ttft_s: float | None = None
     tbt_s: float | None = None
+    tbt_headroom: float | None = None
+
+    @property
+    def tbt_keep(self) -> float:
+        """The TBT headroom this class keeps."""
+        return self.headroom if self.tbt_headroom is None else self.tbt_headroom
 
 
 def _default_priorities() -> tuple[PriorityClass, ...]:
@@ -154,6 +162,12 @@ class RoutingSettings:
     # the predictors say that beats the prefill pool (routing/conditional_disagg.py). Off:
     # it did not raise goodput in the sweeps (docs/experiments.md §2.3).
     conditional_disagg: bool = False
+    # Late decode binding: when a prefill finishes and its decode instance can no longer take
+    # the request within the TBT SLO (others joined, predicted departures did not happen),
+    # its decode goes to an instance that can (routing/decode_placement.py ``rebind_target``).
+    # Only where the KV leaves the prefill instance after the prefill (vLLM's P/D, the
+    # simulator); SGLang's bootstrap binds both legs up front.
+    decode_rebind: bool = True
     # Hugging Face model directory (tokenizer.json + chat template): the engine's own prompt
     # tokens (backends/model_files.py). None = tokenizer_file, else the approximate tokenizer.
     model_dir: str | None = None
@@ -236,11 +250,28 @@ class DecodeReservationSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TBTHeadroomSettings:
+    """How much of the classes' TBT headroom is kept, learned from the decodes' outcomes
+    (routing/tbt_headroom.py; measured in docs/experiments.md §2.3). Over each ``window``
+    finished decodes of a model: a share of misses (mean TBT over the SLO, or refused by the
+    decode engine) above ``target_miss`` raises the kept share by ``raise_step``, one below
+    half of it lowers the share by ``lower_step``, within [``min_share``, 1]. Starts at 1."""
+
+    adaptive: bool = True
+    target_miss: float = 0.005
+    window: int = 200
+    raise_step: float = 0.25
+    lower_step: float = 0.1
+    min_share: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     mode: AdmissionMode = AdmissionMode.PREDICTIVE
     peer: PeerOverloadSettings = field(default_factory=PeerOverloadSettings)
     best_effort: BestEffortSettings = field(default_factory=BestEffortSettings)
     decode_reservation: DecodeReservationSettings = field(default_factory=DecodeReservationSettings)
+    tbt_headroom: TBTHeadroomSettings = field(default_factory=TBTHeadroomSettings)
     # Predictions are multiplied by these before the SLO comparison (>1 = conservative).
     ttft_margin: float = 1.0
     tbt_margin: float = 1.0

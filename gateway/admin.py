@@ -248,6 +248,12 @@ class AdminAPI:
                         m or "": round(r.pressure, 4) for m, r in c.admission.reservations.items()
                     },
                 },
+                # per served model: the share of the classes' TBT headroom in force
+                # (routing/tbt_headroom.py; 1 = as configured, until decodes have finished)
+                "tbt_headroom_share": {
+                    m or "": round(t.share, 3) for m, t in c.admission.tbt_headroom.items()
+                },
+                "decode_rebinds": c.stats.rebinds,
                 "cache_view_blocks": len(c.index),
                 "instances": [self._instance_view(iid) for iid in c.instances],
             }

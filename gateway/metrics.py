@@ -70,6 +70,18 @@ class GatewayMetrics:
         self.batch = Gauge(
             "kvgate_instance_decode_batch", "Decode batch per instance", ["instance"], registry=r
         )
+        self.tbt_headroom_share = Gauge(
+            "kvgate_tbt_headroom_share",
+            "Share of the priority classes' TBT headroom in force, learned from the decodes'"
+            " outcomes (admission.tbt_headroom), per served model",
+            ["model"],
+            registry=r,
+        )
+        self.decode_rebinds = Gauge(
+            "kvgate_decode_rebinds",
+            "Decodes moved when their prefill finished, since start (routing.decode_rebind)",
+            registry=r,
+        )
         self.healthy = Gauge(
             "kvgate_instance_healthy", "1 if the instance takes traffic", ["instance"], registry=r
         )

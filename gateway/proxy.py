@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 from typing import Any
 
 from backends.drivers import ForwardPlan, UpstreamError, UpstreamResponse
-from backends.legs import Failure
+from backends.legs import Failure, Target
 from gateway.answers import (
     Scope,
     decision_headers,
@@ -249,6 +250,9 @@ class CompletionHandler:
                 self._count(self._upstream_error, parsed.info, "upstream_error")
                 await send_upstream_error(send, exc, rid)
                 return
+            if upstream.instance_id != decision.decode:  # moved by late decode binding
+                decision = replace(decision, decode=upstream.instance_id)
+                record.decode = decision.decode
             failed = await self._relay(
                 parsed, upstream, decision, record, receive, send, may_retry=retries > 0
             )
@@ -272,6 +276,10 @@ class CompletionHandler:
         def prefill_done() -> None:
             gw.conductor.prefill_done(parsed.info.request_id, gw.clock())
 
+        def rebind_decode() -> Target | None:
+            moved = gw.conductor.rebind_decode(parsed.info.request_id, gw.clock())
+            return gw.targets[moved] if moved is not None else None
+
         body = parsed.body
         rid = parsed.info.request_id
         colocated = d.prefill == d.decode
@@ -289,6 +297,9 @@ class CompletionHandler:
             # arrives only after its last token, so its generation time counts too.
             timeout_s=gw.silence_timeout(d, 0 if parsed.stream else parsed.info.max_tokens),
             on_prefill_done=prefill_done,
+            rebind_decode=rebind_decode
+            if gw.settings.routing.decode_rebind and not colocated
+            else None,
             raw_body=raw or None,  # forwarded as the client sent it where it is unchanged
         )
         if gw.tracing.enabled:
@@ -349,7 +360,9 @@ class CompletionHandler:
                 gw.metrics.cache_feedback(feedback)
             # Counted once answered: a refused or failed attempt cached nothing.
             gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
-            gw.conductor.finished(rid, now, output_tokens=tokens or None)
+            gw.conductor.finished(
+                rid, now, output_tokens=tokens or None, decode_timed=parsed.stream
+            )
             record.outcome = "completed"
             self._count(self._completed, parsed.info, "completed")
             self._learn(d, record)

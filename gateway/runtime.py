@@ -376,6 +376,9 @@ class Gateway:
         for inst in self.conductor.instances.values():
             self.metrics.queue.labels(inst.id).set(inst.queue_time(now))
             self.metrics.batch.labels(inst.id).set(inst.batch)
+        for model, control in self.conductor.admission.tbt_headroom.items():
+            self.metrics.tbt_headroom_share.labels(model or "").set(control.share)
+        self.metrics.decode_rebinds.set(self.conductor.stats.rebinds)
         self.capacity.update(now)
 
     async def _refit_loop(self) -> None:

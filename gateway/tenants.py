@@ -275,17 +275,19 @@ class TenantGate:
 
     def _over_share(self, tenant: str, d: Decision) -> Rejection | None:
         s = self.gw.settings
-        keep = 1.0 - self.cfg.over_share_headroom
+        keep = keep_tbt = 1.0 - self.cfg.over_share_headroom
         # A class removed by a reload since the decision: the tenant's headroom only.
         with contextlib.suppress(KeyError):
-            keep *= 1.0 - s.slo.priority(d.priority).headroom
+            cls = s.slo.priority(d.priority)
+            keep *= 1.0 - cls.headroom
+            keep_tbt *= 1.0 - cls.tbt_keep
         adm = s.admission
+        ttft, tbt = d.predicted_ttft_s * adm.ttft_margin, d.predicted_tbt_s * adm.tbt_margin
         checks = (
-            (RejectReason.TTFT_SLO, "TTFT", d.predicted_ttft_s * adm.ttft_margin, d.slo_ttft_s),
-            (RejectReason.TBT_SLO, "TBT", d.predicted_tbt_s * adm.tbt_margin, d.slo_tbt_s),
+            (RejectReason.TTFT_SLO, "TTFT", ttft, keep * d.slo_ttft_s),
+            (RejectReason.TBT_SLO, "TBT", tbt, keep_tbt * d.slo_tbt_s),
         )
-        for reason, what, predicted, slo in checks:
-            limit = keep * slo
+        for reason, what, predicted, limit in checks:
             if predicted > limit:
                 msg = (
                     f"predicted {what} {predicted * 1e3:.0f} ms exceeds tenant {tenant!r}'s"

@@ -28,6 +28,7 @@ from typing import Any
 from config.errors import KvgateError
 from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
 from routing.decode_reservation import DecodeReservation
+from routing.tbt_headroom import TBTHeadroomControl
 from routing.types import Rejection, RejectReason, RequestInfo
 
 
@@ -36,6 +37,11 @@ class EffectiveSLO:
     priority: PriorityClass
     ttft_s: float
     tbt_s: float
+    tbt_share: float = 1.0  # of the class's TBT headroom in force (routing/tbt_headroom.py)
+
+    @property
+    def tbt_keep(self) -> float:
+        return self.priority.tbt_keep * self.tbt_share
 
     @property
     def ttft_limit_s(self) -> float:
@@ -43,7 +49,7 @@ class EffectiveSLO:
 
     @property
     def tbt_limit_s(self) -> float:
-        return self.tbt_s * (1.0 - self.priority.headroom)
+        return self.tbt_s * (1.0 - self.tbt_keep)
 
 
 def _clamp(v: float, lo: float, hi: float) -> float:
@@ -76,12 +82,13 @@ def resolve_slo(req: RequestInfo, slo: SLOSettings) -> EffectiveSLO:
 
 
 class Admission:
-    __slots__ = ("_peer", "_peer_policy", "reservations", "settings")
+    __slots__ = ("_peer", "_peer_policy", "reservations", "settings", "tbt_headroom")
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
         # One per served model: each model's pools, prompt lengths and overload are its own.
         self.reservations: dict[str | None, DecodeReservation] = {}
+        self.tbt_headroom: dict[str | None, TBTHeadroomControl] = {}
         self._peer: Any = None  # the peer's overload control, built for the policy in use
         self._peer_policy: object = None
 
@@ -147,6 +154,18 @@ class Admission:
             reservation.record(req.prompt_tokens, rejection is None)
         return rejection
 
+    def headroom_for(self, model: str | None) -> TBTHeadroomControl:
+        control = self.tbt_headroom.get(model)
+        if control is None:
+            control = self.tbt_headroom[model] = TBTHeadroomControl(self.settings.tbt_headroom)
+        return control
+
+    def observe_decode(self, model: str | None, missed: bool) -> None:
+        """A decode this admission let in finished (``missed``: over its TBT SLO) or was
+        refused by its engine (missed); only the SLO modes learn from it."""
+        if self.settings.mode in SLO_MODES:
+            self.headroom_for(model).observe(missed)
+
     @property
     def turned_away_by_reserve(self) -> int:
         """Rejections the decode reservation made that the plain TBT check would have admitted."""
@@ -183,9 +202,10 @@ def _message(
     what: str, predicted: float, limit: float, slo: EffectiveSLO, reserve: float = 0.0
 ) -> str:
     extra = ""
-    if slo.priority.headroom > 0:
+    keep = slo.priority.headroom if what == "TTFT" else slo.tbt_keep
+    if keep > 0:
         extra = (
-            f" ({slo.priority.name} priority keeps {slo.priority.headroom:.0%} headroom"
+            f" ({slo.priority.name} priority keeps {keep:.0%} headroom"
             f" of the {(slo.ttft_s if what == 'TTFT' else slo.tbt_s) * 1000:.0f} ms SLO)"
         )
     if reserve > 0:

@@ -5,7 +5,8 @@ instance with the lowest *committed* TBT (everything assigned to it, including r
 prefill) or, with ``decode_placement = "current"``, the lowest TBT of its running batch
 (Mooncake's), within KV capacity and batch limits. Early admission checks today's TBT there;
 predictive admission the TBT forecast for when the request arrives, never below today's
-(``predictive_tbt``).
+(``predictive_tbt``). When the prefill is done, ``rebind_target`` may move the decode to
+another instance if the chosen one can no longer take it (late decode binding).
 """
 
 from __future__ import annotations
@@ -87,6 +88,36 @@ def predictive_tbt(
     at = now + ttft_s + d.predictors.link.time(prompt_tokens)
     fc = d.forecast(at, now, prompt_tokens).tbt_s
     return fc if fc > tbt_now else tbt_now
+
+
+def rebind_target(
+    planned: InstanceState,
+    pool: list[InstanceState],
+    prompt_tokens: int,
+    need_tokens: int,
+    tbt_limit_s: float,
+) -> InstanceState | None:
+    """Late decode binding, when a prefill finishes: the instance to move the decode to, or
+    None to keep ``planned``. Only when ``planned`` can no longer take the request within the
+    TBT SLO (today's batch with it; the engine's own join check sees the same): between
+    admission and now others may have joined and predicted departures not happened. Then
+    the one with the lowest TBT among those that take it within the SLO and hold its KV.
+    Moving only on a predicted refusal, not to whichever is least loaded, keeps admission's
+    books of where decodes go true: rebalancing every request at prefill completion admitted
+    more and then wasted 2.3 % of prefills (docs/experiments.md §2.3)."""
+    if planned.tbt_now(1, prompt_tokens) <= tbt_limit_s:
+        return None
+    best: tuple[float, int] | None = None
+    target = None
+    for x in pool:
+        if x is planned or not x.eligible or x.batch >= x.max_batch:
+            continue
+        if x.reserved_tokens + need_tokens > x.capacity_tokens:
+            continue
+        tbt = x.tbt_now(1, prompt_tokens)
+        if tbt <= tbt_limit_s and (best is None or (tbt, x.bit_order) < best):
+            best, target = (tbt, x.bit_order), x
+    return target
 
 
 def retry_hint(inst: InstanceState, now: float) -> float:

@@ -1,7 +1,8 @@
 """The Conductor's books of placed requests: what happened to each one after its decision.
 
 ``dispatched`` commits a decision (the prefill queue, the decode instance's incoming work, the
-prompt's route in the KV index); ``prefill_done``, ``first_token``, ``tokens``, ``finished``,
+prompt's route in the KV index); ``rebind_decode`` may move the decode when the prefill is done;
+``prefill_done``, ``first_token``, ``tokens``, ``finished``,
 ``failed`` and ``cache_feedback`` keep the books true to what the engines did. A mixin of the
 Conductor (routing/conductor.py), which owns the state named below; time is an argument.
 """
@@ -9,13 +10,17 @@ Conductor (routing/conductor.py), which owns the state named below; time is an a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from predictors.output_length import OutputLengthPredictor
+from routing.admission import Admission
 from routing.cache_feedback import CacheFeedback, assess
+from routing.decode_placement import rebind_target
 from routing.estimates import STORE_SOURCE, cached_tokens
+from routing.fleet_pools import ModelPools
 from routing.instance_books import DecodeWork, InstanceState
 from routing.kv_index import KVIndex
+from routing.policies.base import Policy
 from routing.types import Decision, DecisionStats, RequestInfo
 
 
@@ -42,6 +47,9 @@ class RequestProgress:
     stats: DecisionStats
     _event_fed: set[str]
     after_dispatch: list[Callable[[], object]]
+    _pools_for: Callable[[RequestInfo], ModelPools]
+    policy: Policy
+    admission: Admission
 
     def dispatched(self, decision: Decision, req: RequestInfo, now: float) -> None:
         prefill = self.instances[decision.prefill]
@@ -69,6 +77,31 @@ class RequestProgress:
         self.requests[req.request_id] = record
         for hook in self.after_dispatch:
             hook()
+
+    def rebind_decode(self, request_id: str, now: float) -> str | None:
+        """Late decode binding (``routing.decode_rebind``): call when the prefill is done and
+        before its KV leaves; returns the decode instance the request moved to, or None
+        (stays). The books move with it: the old instance's incoming work to the new one."""
+        rec = self.requests.get(request_id)
+        if rec is None or rec.prefill_done_s is not None or not self.policy.late_decode_binding:
+            return None
+        d, req = rec.decision, rec.request
+        planned = self.instances.get(d.decode)
+        if planned is None or d.decode == d.prefill or request_id not in planned.incoming:
+            return None
+        pool = self._pools_for(req).decode
+        need = req.prompt_tokens + d.predicted_output_tokens
+        target = rebind_target(planned, pool, req.prompt_tokens, need, d.slo_tbt_s)
+        if target is None:
+            return None
+        work = planned.remove_decode(request_id, now)
+        if work is None:
+            return None
+        work.est_arrival_s = now + target.predictors.link.time(req.prompt_tokens)
+        target.add_incoming(work)
+        rec.decision = replace(d, decode=target.id)
+        self.stats.rebinds += 1
+        return target.id
 
     def prefill_done(self, request_id: str, now: float) -> None:
         rec = self.requests.get(request_id)
@@ -102,15 +135,34 @@ class RequestProgress:
         if decode is not None:
             decode.add_tokens(request_id, n, now)
 
-    def finished(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
+    def finished(
+        self,
+        request_id: str,
+        now: float,
+        output_tokens: int | None = None,
+        decode_timed: bool = True,
+        tbt_s: float | None = None,
+    ) -> None:
+        """``tbt_s``: the request's mean TBT where the caller measured it (the simulator);
+        else taken from the first token on, when ``decode_timed`` (the tokens arrived as
+        they were made, streamed: a whole answer says nothing of its TBT)."""
         rec = self._drop(request_id, now)
         if rec is not None:
             out = output_tokens if output_tokens is not None else rec.tokens
             if out > 0:
                 self.output_lengths.observe(rec.request.output_key, out)
+            first = rec.first_token_s
+            if tbt_s is None and decode_timed and first is not None and out > 1:
+                tbt_s = (now - first) / (out - 1)
+            if tbt_s is not None:
+                self.admission.observe_decode(rec.request.model, tbt_s > rec.decision.slo_tbt_s)
 
-    def failed(self, request_id: str, now: float) -> None:
+    def failed(self, request_id: str, now: float, decode_refused: bool = False) -> None:
+        """``decode_refused``: the decode engine turned the request away at join for its TBT
+        (the simulator's Mooncake-style engines do): a miss for the TBT headroom."""
         rec = self._drop(request_id, now)
+        if rec is not None and decode_refused:
+            self.admission.observe_decode(rec.request.model, True)
         if rec is not None and rec.prefill_done_s is None and rec.routed:
             # Refused or lost before its prefill finished: the engine never cached the prompt.
             self.index.forget_route(rec.decision.prefill, rec.routed)

@@ -160,3 +160,4 @@ class DecisionStats:
     rejections: dict[str, int] = field(default_factory=dict)
     transfers: int = 0
     replications: int = 0
+    rebinds: int = 0  # decodes moved when their prefill finished (late decode binding)

@@ -279,7 +279,7 @@ class Picker:
         if feedback is not None:
             gw.metrics.cache_feedback(feedback)
         gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
-        gw.conductor.finished(rid, now, output_tokens=tokens or None)
+        gw.conductor.finished(rid, now, output_tokens=tokens or None, decode_timed=f.parsed.stream)
         if f.served in (None, f.endpoints[0]):
             gw.leg_succeeded(d.prefill)
         f.record.outcome = "completed"

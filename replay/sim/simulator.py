@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 from backends.predictor_files import predictor_factory
@@ -141,6 +141,11 @@ class Simulator:
         )
         # Rejections the decode reservation made that the plain TBT check would have admitted.
         self.result.extra["reserve_turned_away"] = self.conductor.admission.turned_away_by_reserve
+        self.result.extra["decode_rebinds"] = self.conductor.stats.rebinds
+        # The share of the TBT headroom in force at the end, and how often it moved.
+        control = self.conductor.admission.headroom_for(None)
+        self.result.extra["tbt_headroom_share"] = round(control.share, 3)
+        self.result.extra["tbt_headroom_moves"] = control.raised + control.lowered
         return self.result
 
     # ------------------------------------------------------------------ arrivals
@@ -243,9 +248,14 @@ class Simulator:
     def _apply(self, engine: Engine, report: StepReport, now: float) -> None:
         if report.tbt:
             self.result.tbt_steps.extend(report.tbt)
+        rebind = self.conductor.settings.routing.decode_rebind
         for done in report.prefilled:
             rid = done.request_id
             out = self.outcomes[rid]
+            if rebind and (moved := self.conductor.rebind_decode(rid, now)) is not None:
+                # The KV has not left yet: it goes to the instance that can take it.
+                self._decisions[rid] = replace(self._decisions[rid], decode=moved)
+                out.decode_instance = moved
             out.cached_tokens = done.cached_tokens
             out.ttft_s = now - out.arrival_s  # the prefill produces the first token ...
             self._decode_start_s[rid] = now  # colocated engines decode from here on
@@ -273,7 +283,7 @@ class Simulator:
         if refused is not None:
             out = self.outcomes[rid]
             out.outcome, out.reason = Outcome.REJECTED_AFTER_PREFILL, refused
-            self.conductor.failed(rid, now)
+            self.conductor.failed(rid, now, decode_refused=refused == "tbt_slo")
             self._forget(rid)
             return
         self._decode_start_s[rid] = now
@@ -291,7 +301,7 @@ class Simulator:
             start = joined_s
         if start is not None and generated > 1:
             out.tbt_mean_s = (now - start) / (generated - 1)
-        self.conductor.finished(rid, now, output_tokens=generated)
+        self.conductor.finished(rid, now, output_tokens=generated, tbt_s=out.tbt_mean_s)
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:

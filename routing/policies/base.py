@@ -44,6 +44,9 @@ class Policy(Protocol):
     name: ClassVar[str]
     # The admission the policy's real system ships with (used by `--compare` bare names).
     native_admission: ClassVar[AdmissionMode]
+    # Whether the Conductor may move the decode when the prefill is done (routing.decode_rebind).
+    # The peers' routers bind decode up front, so their re-implementations say no.
+    late_decode_binding: ClassVar[bool]
 
     def select_prefill(self, ctx: PlacementContext) -> PrefillOption: ...
 
@@ -57,6 +60,7 @@ class PolicyBase:
 
     name: ClassVar[str] = ""
     native_admission: ClassVar[AdmissionMode] = AdmissionMode.NONE
+    late_decode_binding: ClassVar[bool] = True
 
     def __init__(self, **params: Any) -> None:
         if params:

@@ -61,6 +61,7 @@ class DynamoKVPolicy(PolicyBase):
     """
 
     name: ClassVar[str] = "dynamo_kv"
+    late_decode_binding: ClassVar[bool] = False  # the decode is chosen with the prefill
 
     def __init__(
         self,

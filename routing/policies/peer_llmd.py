@@ -81,6 +81,7 @@ class LLMDWeightedPolicy(PolicyBase):
     """
 
     name: ClassVar[str] = "llmd_weighted"
+    late_decode_binding: ClassVar[bool] = False  # the decode is chosen with the prefill
 
     def __init__(
         self,

@@ -47,6 +47,7 @@ class SGLangCacheAwarePolicy(PolicyBase):
     """
 
     name: ClassVar[str] = "sglang_cache_aware"
+    late_decode_binding: ClassVar[bool] = False  # the decode is chosen with the prefill
 
     def __init__(
         self,

@@ -368,3 +368,47 @@ def test_nixl_decode_unreachable_is_a_transport_error_that_names_the_held_blocks
         error = asyncio.run(run())
     assert error.status is None and error.instance_id == "d0"
     assert "KV lease" in caplog.text and "p0" in caplog.text
+
+
+def test_vllm_late_decode_binding_sends_the_decode_leg_where_it_was_moved() -> None:
+    """The decode leg goes after the prefill answered, so the gateway may still move it; the
+    rebind is asked before ``on_prefill_done`` (which starts the decode in the books)."""
+
+    async def run():
+        p, d, pt, dt = await _pair()
+        other = StubEngine("decode")
+        ot = Target("d1", await other.start())
+        order: list[str] = []
+        async with aiohttp.ClientSession() as s:
+            plan = _plan(pt, dt, ORIGINAL)
+            plan.rebind_decode = lambda: order.append("rebind") or ot
+            plan.on_prefill_done = lambda: order.append("prefill_done")
+            up = await VLLMDriver().open(s, plan)
+            body = b"".join([c async for c in up.chunks()])
+            up.close()
+        for e in (p, d, other):
+            await e.server.close()
+        return d.seen, other.seen, up.instance_id, body, order
+
+    planned, moved, instance, body, order = asyncio.run(run())
+    assert planned == [] and len(moved) == 1
+    assert moved[0][2]["kv_transfer_params"] == KV_PARAMS
+    assert instance == "d1" and body == SSE
+    assert order == ["rebind", "prefill_done"]
+
+
+def test_vllm_decode_leg_stays_when_the_rebind_keeps_it() -> None:
+    async def run():
+        p, d, pt, dt = await _pair()
+        async with aiohttp.ClientSession() as s:
+            plan = _plan(pt, dt, ORIGINAL)
+            plan.rebind_decode = lambda: None
+            up = await VLLMDriver().open(s, plan)
+            await up.read()
+            up.close()
+        await p.server.close()
+        await d.server.close()
+        return d.seen, up.instance_id
+
+    seen, instance = asyncio.run(run())
+    assert len(seen) == 1 and instance == "d0"

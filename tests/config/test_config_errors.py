@@ -118,6 +118,13 @@ def test_min_greater_than_max(write_toml: WriteToml) -> None:
         ("[admission.best_effort]\nmax_decode_load = 1.5", "admission.best_effort.max_decode_load"),
         ("[admission.decode_reservation]\nfraction = 1", "admission.decode_reservation.fraction"),
         ("[admission.decode_reservation]\nwindow = 0", "admission.decode_reservation.window"),
+        (
+            '[[slo.priorities]]\nname = "a"\nlevel = 1\ntbt_headroom = 1.0',
+            "slo.priorities[0].tbt_headroom",
+        ),
+        ("[admission.tbt_headroom]\ntarget_miss = 2", "admission.tbt_headroom.target_miss"),
+        ("[admission.tbt_headroom]\nwindow = 0", "admission.tbt_headroom.window"),
+        ("[admission.tbt_headroom]\nmin_share = -0.1", "admission.tbt_headroom.min_share"),
     ],
 )
 def test_range_checks(write_toml: WriteToml, text: str, key: str) -> None:

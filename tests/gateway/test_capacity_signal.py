@@ -158,3 +158,17 @@ def test_a_pool_that_leaves_the_configuration_leaves_the_metrics() -> None:
     assert _gauge(gw, "kvgate_pool_instances", "pre") is None
     assert _gauge(gw, "kvgate_pool_instances_needed", "pre") is None
     assert _gauge(gw, "kvgate_pool_instances", "dec") == 2
+
+
+def test_the_learned_tbt_headroom_and_rebinds_are_published() -> None:
+    clock = _Clock()
+    gw = _gateway(clock)
+    settings = replace(gw.settings.admission, mode=AdmissionMode.PREDICTIVE)
+    gw.conductor.admission.settings = settings
+    for _ in range(settings.tbt_headroom.window):  # a window of decodes, none missed
+        gw.conductor.admission.observe_decode(None, False)
+    gw.conductor.stats.rebinds = 3
+    gw._publish_gauges()
+    share = gw.metrics.registry.get_sample_value("kvgate_tbt_headroom_share", {"model": ""})
+    assert share == pytest.approx(0.9)
+    assert gw.metrics.registry.get_sample_value("kvgate_decode_rebinds") == 3
