@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from config.admission_settings import PeerOverloadSettings
 from config.checker import Checker
 from config.errors import IssueCollector
 from config.fleet_checks import check_models, check_pool_sinks, check_pools
 from config.replica_checks import check_replicas
 from config.settings import (
     AdmissionSettings,
-    PeerOverloadSettings,
     PredictorSettings,
     ReplicationSettings,
     RoutingSettings,

@@ -14,6 +14,9 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
+# AdmissionMode is re-exported: the admission mode is named wherever settings are.
+from config.admission_settings import AdmissionMode as AdmissionMode
+from config.admission_settings import AdmissionSettings
 from config.replica_settings import ReplicasSettings
 from config.tenant_settings import TenantsSettings
 
@@ -60,15 +63,6 @@ class KVConnector(StrEnum):
 
     NIXL = "nixl"
     SHARED_STORAGE = "shared_storage"
-
-
-class AdmissionMode(StrEnum):
-    NONE = "none"
-    EARLY = "early"
-    PREDICTIVE = "predictive"
-    # The overload control the placement policy's own system ships with (SMG limiter, GIE
-    # saturation detector, Dynamo busy thresholds): routing/policies/peer_overload.py.
-    PEER = "peer"
 
 
 class DecodePlacement(StrEnum):
@@ -181,102 +175,6 @@ class RoutingSettings:
     # llama-servers, 6 and 8 prompts (docs/real-engines.md section 3).
     llamacpp_slot_affinity: bool = True
     llamacpp_slot_max_waiting: int = 3
-
-
-@dataclass(frozen=True, slots=True)
-class PeerOverloadSettings:
-    """Admission mode ``peer``: each peer's overload control, upstream defaults
-    (docs/peer-fidelity.md cites the files). Only the section of the policy in use applies."""
-
-    # SMG / sglang router limiter (smg main.rs): -1 = off (the shipped default).
-    smg_max_concurrent_requests: int = -1
-    smg_queue_size: int = 100
-    smg_queue_timeout_s: float = 60.0
-    # Token-bucket refill per second; None = max_concurrent_requests per second.
-    smg_rate_limit_tokens_per_second: float | None = None
-    # GIE utilization saturation detector + shedding of sheddable (priority < 0) requests.
-    gie_queue_depth_threshold: float = 5.0
-    gie_kv_cache_util_threshold: float = 0.8
-    gie_metrics_staleness_s: float = 0.2
-    # Scrape interval of the simulated metrics (GIE data layer; llm-d guides use 50 ms).
-    gie_scrape_interval_s: float = 0.05
-    # Whether traffic is sheddable (InferenceObjective priority < 0): GIE never sheds
-    # non-sheddable requests, so with False the detector admits everything.
-    gie_sheddable: bool = True
-    # "saturation" (hard shed at pool saturation >= 1) or "probabilistic" (llm-d admitter:
-    # p = min(300 * saturation^5, 1)).
-    gie_admitter: str = "saturation"
-    # Dynamo busy thresholds (v1.1.1 defaults): reject (529) when every worker of a pool is busy.
-    dynamo_active_decode_blocks_threshold: float = 1.0
-    dynamo_active_prefill_tokens_threshold_frac: float = 10.0
-    # The engines' max_num_batched_tokens the prefill fraction refers to (vLLM V1 default).
-    dynamo_max_num_batched_tokens: int = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class BestEffortSettings:
-    """Serve late, rather than reject, a prompt no instance could serve within the TTFT SLO
-    even idle, when it only takes capacity nobody else is using (its instance has nothing
-    booked, this share of the prefill pool is idle, decode has room). routing/best_effort.py;
-    measured in docs/experiments.md §2.3."""
-
-    enabled: bool = True
-    # Share of the model's prefill pool that must have nothing booked at the decision.
-    idle_share: float = 0.5
-    # The TBT its decode instance is checked at, as a share of the TBT limit, at most.
-    max_decode_load: float = 0.8
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeReservationSettings:
-    """Under decode overload, keep the last ``fraction`` of the TBT limit for shorter prompts
-    (trunk reservation; routing/decode_reservation.py; measured in docs/experiments.md §2.3)."""
-
-    enabled: bool = True
-    # Share of the TBT limit the longest prompts may not use (graded by prompt-length rank).
-    fraction: float = 0.15
-    # Prompts shorter than this quantile of the recent ones keep the whole limit.
-    from_quantile: float = 0.6
-    # How many recent prompts the rank is taken over.
-    window: int = 1000
-    # The starvation floor: prompts at least this long keep at least this share of the
-    # overall admitted share (over ``window``); below it the reserve is waived for them.
-    min_admit_ratio: float = 0.1
-    # On only while at least this share of the recent shorter prompts (those that keep the
-    # whole limit) failed the plain TBT check: the ones the reserve is for are turned away ...
-    min_pressure: float = 0.1
-    # ... counted over this many of them.
-    pressure_window: int = 200
-
-
-@dataclass(frozen=True, slots=True)
-class TBTHeadroomSettings:
-    """How much of the classes' TBT headroom is kept, learned from the decodes' outcomes
-    (routing/tbt_headroom.py; measured in docs/experiments.md §2.3). Over each ``window``
-    finished decodes of a model: a share of misses (mean TBT over the SLO, or refused by the
-    decode engine) above ``target_miss`` raises the kept share by ``raise_step``, one below
-    half of it lowers the share by ``lower_step``, within [``min_share``, 1]. Starts at 1."""
-
-    adaptive: bool = True
-    target_miss: float = 0.005
-    window: int = 200
-    raise_step: float = 0.25
-    lower_step: float = 0.1
-    min_share: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionSettings:
-    mode: AdmissionMode = AdmissionMode.PREDICTIVE
-    peer: PeerOverloadSettings = field(default_factory=PeerOverloadSettings)
-    best_effort: BestEffortSettings = field(default_factory=BestEffortSettings)
-    decode_reservation: DecodeReservationSettings = field(default_factory=DecodeReservationSettings)
-    tbt_headroom: TBTHeadroomSettings = field(default_factory=TBTHeadroomSettings)
-    # Predictions are multiplied by these before the SLO comparison (>1 = conservative).
-    ttft_margin: float = 1.0
-    tbt_margin: float = 1.0
-    retry_after_min_s: float = 1.0
-    retry_after_max_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from collections import deque
 
 from sortedcontainers import SortedList
 
-from config.settings import DecodeReservationSettings
+from config.admission_settings import DecodeReservationSettings
 
 
 class RecentRank:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from config.settings import TBTHeadroomSettings
+from config.admission_settings import TBTHeadroomSettings
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+from config.admission_settings import DecodeReservationSettings
 from config.settings import (
     AdmissionMode,
     AdmissionSettings,
-    DecodeReservationSettings,
     InstanceSettings,
     PoolSettings,
     Role,

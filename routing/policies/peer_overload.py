@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from config.settings import PeerOverloadSettings
+from config.admission_settings import PeerOverloadSettings
 from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext
 from routing.policies.peer_dynamo import DynamoKVPolicy

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from config.settings import AdmissionMode, AdmissionSettings, BestEffortSettings, SLOSettings
+from config.admission_settings import BestEffortSettings
+from config.settings import AdmissionMode, AdmissionSettings, SLOSettings
 from routing.conductor import Conductor
 from routing.types import Decision, Rejection, RejectReason
 from tests.routing.fleet import busy, fleet_settings, prompt, request

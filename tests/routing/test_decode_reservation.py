@@ -7,12 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from config.settings import (
-    AdmissionMode,
-    AdmissionSettings,
-    DecodeReservationSettings,
-    SLOSettings,
-)
+from config.admission_settings import DecodeReservationSettings
+from config.settings import AdmissionMode, AdmissionSettings, SLOSettings
 from routing.admission import Admission, resolve_slo
 from routing.decode_reservation import DecodeReservation, RecentRank
 from routing.types import RejectReason, RequestInfo

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from config.settings import AdmissionMode, TBTHeadroomSettings
+from config.admission_settings import TBTHeadroomSettings
+from config.settings import AdmissionMode
 from replay.sim.fleet import FleetSpec
 from replay.sim.simulator import Simulator
 from replay.workload.traces import TraceRequest
