@@ -113,6 +113,11 @@ def base_settings(args: argparse.Namespace) -> Settings:
     if getattr(args, "decode_reservation", None):
         reservation = replace(admission.decode_reservation, enabled=args.decode_reservation == "on")
         admission = replace(admission, decode_reservation=reservation)
+    if getattr(args, "tbt_headroom", None):
+        learned = replace(admission.tbt_headroom, adaptive=args.tbt_headroom == "learned")
+        admission = replace(admission, tbt_headroom=learned)
+    if getattr(args, "decode_rebind", None):
+        routing = replace(routing, decode_rebind=args.decode_rebind == "on")
     predictors = settings.predictors
     if getattr(args, "link_gbps", None) is not None:
         # Sets the Conductor's transfer predictor and the simulated network alike.
@@ -277,6 +282,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         help="admission.decode_reservation.enabled: under decode overload, keep part of the "
         "TBT limit for shorter prompts (default: the config's, on)",
+    )
+    p.add_argument(
+        "--tbt-headroom",
+        choices=["learned", "fixed"],
+        help="admission.tbt_headroom.adaptive: the share of the priority classes' TBT headroom "
+        "in force learned from the decodes' outcomes, or the configured headroom always "
+        "(default: the config's, learned)",
+    )
+    p.add_argument(
+        "--decode-rebind",
+        choices=["on", "off"],
+        help="routing.decode_rebind: move a decode whose instance can no longer take it "
+        "within the TBT SLO when its prefill is done (default: the config's, on)",
     )
     p.add_argument(
         "--ttft-after-transfer",

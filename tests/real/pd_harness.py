@@ -239,8 +239,11 @@ def salted(text: str) -> str:
     return f"[{uuid.uuid4().hex}] {text}"
 
 
-def openai_call(client: openai.OpenAI, endpoint: str, stream: bool, prompt: str) -> tuple[str, int]:
-    """(answer text, prompt tokens the engine reported) through the openai SDK."""
+def openai_call(client: openai.OpenAI, endpoint: str, stream: bool, prompt: str) -> tuple[int, int]:
+    """(answer tokens, prompt tokens), as the engine reported them, through the openai SDK.
+    Tokens, not text: a whole answer of the random-weight model once read as "" in a CI run
+    (its greedy tokens can be bytes the detokenizer holds back as an incomplete UTF-8
+    character, or end of sequence first); the tests care that an answer came back."""
     extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if stream else {}
     if endpoint == "chat":
         messages = [{"role": "user", "content": prompt}]
@@ -252,14 +255,11 @@ def openai_call(client: openai.OpenAI, endpoint: str, stream: bool, prompt: str)
             model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=stream, **extra
         )
     if not stream:
-        choice = out.choices[0]
-        text = choice.message.content if endpoint == "chat" else choice.text
-        return text or "", out.usage.prompt_tokens
-    parts, prompt_tokens = [], 0
+        return out.usage.completion_tokens, out.usage.prompt_tokens
+    chunks, answer_tokens, prompt_tokens = 0, 0, 0
     for chunk in out:
-        if chunk.choices:
-            c = chunk.choices[0]
-            parts.append((c.delta.content if endpoint == "chat" else c.text) or "")
+        chunks += bool(chunk.choices)
         if chunk.usage is not None:
-            prompt_tokens = chunk.usage.prompt_tokens
-    return "".join(parts), prompt_tokens
+            answer_tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+    assert chunks > 0, "the stream carried no choices"
+    return answer_tokens, prompt_tokens

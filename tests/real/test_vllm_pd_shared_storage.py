@@ -62,9 +62,9 @@ def test_decode_engine_loads_the_prompt_from_the_shared_store(
 ) -> None:
     client = openai.OpenAI(base_url=shared_stack.gateway + "/v1", api_key="unused", max_retries=0)
     before = prompt_tokens_by_source(shared_stack.decode)
-    text, prompt_tokens = openai_call(client, endpoint, stream, salted(TEXT))
+    answer_tokens, prompt_tokens = openai_call(client, endpoint, stream, salted(TEXT))
     after = prompt_tokens_by_source(shared_stack.decode)
-    assert text and prompt_tokens > 400
+    assert answer_tokens > 0 and prompt_tokens > 400
     delta = {k: after[k] - before[k] for k in after}
     # ExampleConnector loads every full block before the prompt's last token; the decode
     # engine computes only the rest (under one block) itself.

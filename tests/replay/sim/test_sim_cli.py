@@ -182,3 +182,31 @@ def test_decode_reservation_switch(trace: Path, tmp_path: Path) -> None:
     )
     assert runs["on"]["reserve_turned_away"] > 0 and runs["off"]["reserve_turned_away"] == 0
     assert runs["on"]["rejected"] > runs["off"]["rejected"]
+
+
+def test_tbt_headroom_and_decode_rebind_switches(tmp_path: Path) -> None:
+    """Long prompts onto two decode instances of LLaMA2-70B (2023), whose decode binds: the
+    learned headroom falls below 1 and admits more; ``fixed`` keeps it; ``--decode-rebind off``
+    moves nothing."""
+    from replay.workload.traces import TraceRequest
+
+    def request(i: int) -> TraceRequest:
+        tokens = 6144 + 512 * (i % 7)
+        blocks = tuple(range(i * 100, i * 100 + tokens // 512))  # no shared prefixes
+        return TraceRequest(i, i * 0.5, tokens, 200 + 30 * (i % 5), blocks)
+
+    reqs = [request(i) for i in range(800)]
+    trace = tmp_path / "long.jsonl"
+    write_mooncake(reqs, trace)
+    runs = {}
+    for headroom, rebind in (("learned", "on"), ("fixed", "on"), ("learned", "off")):
+        out = tmp_path / f"{headroom}-{rebind}.json"
+        cmd = ["sim", str(trace), "--quiet", "--profile", "llama2-70b-a100-tp8-2023"]
+        cmd += ["--prefill", "8", "--decode", "2", "--admission", "predictive"]
+        cmd += ["--tbt-headroom", headroom, "--decode-rebind", rebind, "--json", str(out)]
+        assert main(cmd) == 0
+        runs[headroom, rebind] = json.loads(out.read_text())["runs"][0]
+    learned, fixed = runs["learned", "on"], runs["fixed", "on"]
+    assert learned["tbt_headroom_share"] < 1.0 and fixed["tbt_headroom_share"] == 1.0
+    assert learned["admitted"] > fixed["admitted"]
+    assert runs["learned", "off"]["decode_rebinds"] == 0
