@@ -280,6 +280,8 @@ class TenantGate:
         with contextlib.suppress(KeyError):
             cls = s.slo.priority(d.priority)
             keep *= 1.0 - cls.headroom
+            # The configured TBT headroom, not the share admission learned to spend: a
+            # tenant over its fair share is the one to keep it for the others.
             keep_tbt *= 1.0 - cls.tbt_keep
         adm = s.admission
         ttft, tbt = d.predicted_ttft_s * adm.ttft_margin, d.predicted_tbt_s * adm.tbt_margin

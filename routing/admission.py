@@ -22,14 +22,18 @@ overload the TBT limit of a long prompt also keeps a reserve for shorter ones
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from config.errors import KvgateError
 from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
 from routing.decode_reservation import DecodeReservation
 from routing.tbt_headroom import TBTHeadroomControl
 from routing.types import Rejection, RejectReason, RequestInfo
+
+S = TypeVar("S")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)  # per request: not frozen (see routing/types.py)
@@ -50,6 +54,16 @@ class EffectiveSLO:
     @property
     def tbt_limit_s(self) -> float:
         return self.tbt_s * (1.0 - self.tbt_keep)
+
+
+def _for_model(
+    table: dict[str | None, T], model: str | None, make: Callable[[S], T], settings: S
+) -> T:
+    """The served model's own state in ``table``, made from ``settings`` on first use."""
+    state = table.get(model)
+    if state is None:
+        state = table[model] = make(settings)
+    return state
 
 
 def _clamp(v: float, lo: float, hi: float) -> float:
@@ -131,10 +145,9 @@ class Admission:
             return None
         ttft_pred, tbt_pred = ttft_s * s.ttft_margin, tbt_s * s.tbt_margin
         plain_fails = tbt_pred > slo.tbt_limit_s
-        reservation = self.reservations.get(req.model)
-        if reservation is None:
-            reservation = DecodeReservation(s.decode_reservation)
-            self.reservations[req.model] = reservation
+        reservation = _for_model(
+            self.reservations, req.model, DecodeReservation, s.decode_reservation
+        )
         reserve = reservation.reserve(req.prompt_tokens, plain_fails, count=not retry)
         rejection = None
         ttft_limit, tbt_limit = slo.ttft_limit_s, slo.tbt_limit_s * (1.0 - reserve)
@@ -155,10 +168,8 @@ class Admission:
         return rejection
 
     def headroom_for(self, model: str | None) -> TBTHeadroomControl:
-        control = self.tbt_headroom.get(model)
-        if control is None:
-            control = self.tbt_headroom[model] = TBTHeadroomControl(self.settings.tbt_headroom)
-        return control
+        settings = self.settings.tbt_headroom
+        return _for_model(self.tbt_headroom, model, TBTHeadroomControl, settings)
 
     def observe_decode(self, model: str | None, missed: bool) -> None:
         """A decode this admission let in finished (``missed``: over its TBT SLO) or was

@@ -332,7 +332,6 @@ class Conductor(RequestProgress):
             hook()
         self._last_now = max(self._last_now, now)
         slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
-        slo.tbt_share = self.admission.headroom_for(req.model).share
         pools = self._pools_for(req)
         if not pools.prefill or (pools.has_decode_pool and not pools.decode):
             return None  # schedule answers no_healthy_* (503), not a TTFT rejection

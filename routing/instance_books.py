@@ -302,6 +302,10 @@ class InstanceState:
     def kv_fits(self, tokens: int) -> bool:
         return self.reserved_tokens + tokens <= self.capacity_tokens
 
+    def takes_decode(self, need_tokens: int) -> bool:
+        """Room for one more decode of ``need_tokens`` (prompt + predicted output)."""
+        return self.kv_fits(need_tokens) and self.batch < self.max_batch
+
     def forecast(self, at_s: float, now: float, prompt_tokens: int) -> DecodeForecast:
         """Decode batch and TBT at ``at_s`` if a request of ``prompt_tokens`` arrives then.
 
