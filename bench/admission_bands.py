@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, spec: sim_cli.RunSpec, reservation: str) -> Ru
     settings = sim_cli.base_settings(args)
     fleet = sim_cli.fleet_from(args, settings)
     trace = sim_cli.load_workload(args)
-    return sim_cli.run_one(settings, fleet, trace, spec, True, args.ttft_after_transfer)
+    return sim_cli.run_one(settings, fleet, trace, spec, True, sim_cli.sim_options(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,6 @@ closed. While the gateway drains (SIGTERM) new requests get 503 + Retry-After.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import replace
 from typing import Any
@@ -214,15 +213,7 @@ class CompletionHandler:
             if isinstance(decision, Rejection):
                 await self._reject(send, decision, decision_s, parsed.info)
                 return
-            if decision.replications:  # a warm-up copy sends this prompt's prefix tokens
-                gw.replicator.remember_prompt(path, parsed)
-            pulls = gw.replicator.execute(decision.replications)
-            if pulls:  # the prefill reuses a prefix pulled from its holder: let it land first
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        asyncio.shield(asyncio.gather(*pulls)),
-                        gw.settings.replication.timeout_s,
-                    )
+            await gw.replicator.before_prefill(path, parsed, decision)
             record = DecisionRecord.of(rid, gw.clock(), decision)
             asyncio.get_running_loop().call_soon(self._account, decision, record, decision_s)
             try:

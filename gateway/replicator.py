@@ -30,7 +30,7 @@ from config.settings import ReplicationSink, Settings
 from gateway.metrics import GatewayMetrics
 from gateway.openai import ParsedRequest
 from routing.conductor import Conductor
-from routing.types import ReplicationCommand, Tier
+from routing.types import Decision, ReplicationCommand, Tier
 
 
 @dataclass(slots=True)
@@ -104,6 +104,7 @@ class Replicator:
             )
         self.sink: ReplicationSinkProtocol = DryRunSink()
         self._tasks: set[asyncio.Task[bool]] = set()
+        self._pulls: dict[str, asyncio.Task[bool]] = {}  # a request's own pulls, by command
 
     # ------------------------------------------------------------------ sinks
     def sink_kind(self, instance_id: str) -> ReplicationSink:
@@ -222,7 +223,28 @@ class Replicator:
             task.add_done_callback(self._tasks.discard)
             if cmd.request_id is not None:
                 waits.append(task)
+                self._pulls[cmd.command_id] = task
+                task.add_done_callback(lambda _, cid=cmd.command_id: self._pulls.pop(cid, None))
         return waits
+
+    async def before_prefill(self, path: str, parsed: ParsedRequest, d: Decision) -> None:
+        """Start the decision's copies; return once the pulls its prefill reuses have landed
+        (its own, and other requests' still on the wire that carry blocks it was predicted to
+        reuse: ``Decision.waits_for``), or after ``replication.timeout_s``."""
+        if d.replications:  # a warm-up copy sends this prompt's prefix tokens
+            self.remember_prompt(path, parsed)
+        pulls = self.execute(d.replications) + self.running(d.waits_for)
+        if pulls:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(asyncio.gather(*pulls)),
+                    self._settings().replication.timeout_s,
+                )
+
+    def running(self, command_ids: Sequence[str]) -> list[asyncio.Task[bool]]:
+        """The pulls among ``command_ids`` still under way (``Decision.waits_for``: another
+        request's pull carries prefix blocks this request was predicted to reuse)."""
+        return [t for cid in command_ids if (t := self._pulls.get(cid)) is not None]
 
     async def _run(self, cmd: ReplicationCommand, record: ReplicationRecord) -> bool:
         result = await self.sink.execute(cmd)  # the sink retries within its own budget

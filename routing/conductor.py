@@ -299,6 +299,7 @@ class Conductor(RequestProgress):
             replications=replications,
             pull_source=option.pull_source,
             best_effort=late,
+            waits_for=self.planner.pulls_into(prefill.id, req, option.cached_tokens),
         )
 
     def _reject_unavailable(

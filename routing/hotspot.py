@@ -33,6 +33,7 @@ class _Rate:
 class InFlight:
     command: ReplicationCommand
     attempts: int = 1
+    start: int = 0  # where its blocks begin in the prompt that asked for them
 
 
 class HotspotPlanner:
@@ -43,7 +44,7 @@ class HotspotPlanner:
         self._rates: OrderedDict[int, _Rate] = OrderedDict()
         self._cooldown_until: dict[int, float] = {}
         self.in_flight: dict[str, InFlight] = {}
-        self._per_dest: dict[str, int] = {}
+        self._to: dict[str, dict[str, InFlight]] = {}  # in flight, by destination
         self._pending: set[tuple[int, str]] = set()  # (prefix_key, destination)
         self._seq = 0
         self.issued = 0
@@ -80,7 +81,7 @@ class HotspotPlanner:
         s = self.settings
         return (
             len(self.in_flight) < s.max_in_flight
-            and self._per_dest.get(destination, 0) < s.max_in_flight_per_destination
+            and len(self._to.get(destination, ())) < s.max_in_flight_per_destination
         )
 
     def _issue(
@@ -91,6 +92,7 @@ class HotspotPlanner:
         reason: ReplicationReason,
         now: float,
         request_id: str | None,
+        start: int,
     ) -> ReplicationCommand:
         self._seq += 1
         cmd = ReplicationCommand(
@@ -104,8 +106,8 @@ class HotspotPlanner:
             issued_s=now,
             request_id=request_id,
         )
-        self.in_flight[cmd.command_id] = InFlight(cmd)
-        self._per_dest[destination] = self._per_dest.get(destination, 0) + 1
+        entry = self.in_flight[cmd.command_id] = InFlight(cmd, start=start)
+        self._to.setdefault(destination, {})[cmd.command_id] = entry
         self._pending.add((cmd.prefix_key, destination))
         if len(self._cooldown_until) >= _MAX_TRACKED_PREFIXES:  # bounded: drop the expired
             self._cooldown_until = {k: t for k, t in self._cooldown_until.items() if t > now}
@@ -157,7 +159,7 @@ class HotspotPlanner:
         if not blocks or (blocks[-1], destination) in self._pending:
             return None
         return self._issue(
-            source, destination, blocks, ReplicationReason.REACTIVE, now, req.request_id
+            source, destination, blocks, ReplicationReason.REACTIVE, now, req.request_id, from_block
         )
 
     def proactive(
@@ -202,7 +204,31 @@ class HotspotPlanner:
             ReplicationReason.PROACTIVE,
             now,
             None,
+            local,
         )
+
+    def pulls_into(self, destination: str, req: RequestInfo, cached_tokens: int) -> tuple[str, ...]:
+        """Other requests' pulls in flight to ``destination`` whose first block is among the
+        ``cached_tokens`` of ``req``'s prompt its prediction counts as cached there. The
+        pulling request's dispatch already books its whole prompt at ``destination``, so a
+        later request sharing the prefix counts on blocks still on the wire; sent at once, it
+        would be prefilled before they land and recompute them (docs/experiments.md §2.3,
+        "Requests that count on another request's pull"). Proactive copies are not booked
+        before they land, so only pulls are named."""
+        found: tuple[str, ...] = ()
+        if not cached_tokens or not (to := self._to.get(destination)):
+            return found  # on every decision: the common case costs one lookup
+        counted = cached_tokens // self.block_size
+        for cid, entry in to.items():
+            cmd = entry.command
+            # Keys are chained: the same key at the pull's first position means the same prefix.
+            if (
+                entry.start < counted
+                and cmd.request_id not in (None, req.request_id)
+                and req.block_hashes[entry.start] == cmd.block_hashes[0]
+            ):
+                found += (cid,)
+        return found
 
     # ---- lifecycle ----
     def complete(self, command_id: str, ok: bool, now: float) -> ReplicationCommand | None:
@@ -212,7 +238,7 @@ class HotspotPlanner:
         if entry is None:
             return None
         cmd = entry.command
-        self._per_dest[cmd.destination] -= 1
+        self._to[cmd.destination].pop(command_id)
         if ok:
             self._pending.discard((cmd.prefix_key, cmd.destination))
             self.confirmed += 1
@@ -223,8 +249,8 @@ class HotspotPlanner:
             return None
         self._seq += 1
         retry = replace(cmd, command_id=f"rep-{self._seq}", issued_s=now)
-        self.in_flight[retry.command_id] = InFlight(retry, entry.attempts + 1)
-        self._per_dest[cmd.destination] += 1
+        again = self.in_flight[retry.command_id] = InFlight(retry, entry.attempts + 1, entry.start)
+        self._to[cmd.destination][retry.command_id] = again
         return retry
 
     def drop(self, command_id: str) -> None:
@@ -232,7 +258,7 @@ class HotspotPlanner:
         entry = self.in_flight.pop(command_id, None)
         if entry is not None:
             cmd = entry.command
-            self._per_dest[cmd.destination] -= 1
+            self._to[cmd.destination].pop(command_id)
             self._pending.discard((cmd.prefix_key, cmd.destination))
 
     def expire(self, now: float) -> list[ReplicationCommand]:
@@ -252,5 +278,5 @@ class HotspotPlanner:
             if instance_id in (e.command.source, e.command.destination)
         ]:
             cmd = self.in_flight.pop(cid).command
-            self._per_dest[cmd.destination] -= 1
+            self._to[cmd.destination].pop(cid)
             self._pending.discard((cmd.prefix_key, cmd.destination))

@@ -122,6 +122,10 @@ class Decision:
     replications: tuple[ReplicationCommand, ...] = ()
     pull_source: str | None = None  # holder the prefix is pulled from, if any
     best_effort: bool = False  # admitted without the TTFT promise (routing/best_effort.py)
+    # Pulls in flight to the prefill instance that carry prefix blocks this request counts
+    # as cached there (another request's pull): its prefill starts after they land, or it
+    # would recompute what it was predicted to reuse (HotspotPlanner.pulls_into).
+    waits_for: tuple[str, ...] = ()
 
 
 class RejectReason(StrEnum):

@@ -16,8 +16,6 @@ slot pinning (it rewrites the body), retries on another engine after the answer 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ipaddress
 import socket
 import time
@@ -195,7 +193,7 @@ class Picker:
             return Immediate(*rejection_response(decision, rid))
         gw.drain.enter()  # left when the books close (Flight's end)
         try:
-            await self._replicate(path, parsed, decision)
+            await self.gw.replicator.before_prefill(path, parsed, decision)
             record = DecisionRecord.of(rid, gw.clock(), decision)
             endpoints = [self.endpoint(decision.prefill)]
             endpoints += self._alternatives(decision.prefill, parsed.info.model)
@@ -207,18 +205,6 @@ class Picker:
         if decision.best_effort:
             gw.metrics.best_effort.inc()
         return Flight(parsed, decision, record, endpoints, decision_headers(decision, rid))
-
-    async def _replicate(self, path: str, parsed: ParsedRequest, d: Decision) -> None:
-        """As `kvgate serve`: warm-up copies go out; a pull this prefill reuses lands first."""
-        gw = self.gw
-        if d.replications:
-            gw.replicator.remember_prompt(path, parsed)
-        pulls = gw.replicator.execute(d.replications)
-        if pulls:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.shield(asyncio.gather(*pulls)), gw.settings.replication.timeout_s
-                )
 
     def _count(self, parsed: ParsedRequest, outcome: str) -> None:
         self.gw.metrics.requests.labels(outcome).inc()

@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from config.settings import (
     AdmissionMode,
@@ -16,10 +17,14 @@ from config.settings import (
     SLOSettings,
     frozen_mapping,
 )
+from replay.engine.network import NETWORK_MODELS
 from replay.report.progress import ProgressBar
 from replay.report.results import RunResult
 from replay.sim.fleet import FleetSpec
 from replay.workload.traces import TraceRequest, load_trace, select
+
+if TYPE_CHECKING:
+    from replay.sim.simulator import SimOptions
 
 _SYNTHETIC = {"synthetic:chat"}
 # Policies with a shipped overload control (admission mode "peer").
@@ -168,15 +173,21 @@ def fleet_from(args: argparse.Namespace, settings: Settings) -> FleetSpec:
     )
 
 
+def sim_options(args: argparse.Namespace) -> SimOptions:
+    from replay.sim.simulator import SimOptions
+
+    return SimOptions(ttft_after_transfer=args.ttft_after_transfer, network=args.network)
+
+
 def run_one(
     settings: Settings,
     fleet: FleetSpec,
     trace: list[TraceRequest],
     spec: RunSpec,
     quiet: bool,
-    ttft_after_transfer: bool = False,
+    options: SimOptions | None = None,
 ) -> RunResult:
-    from replay.sim.simulator import SimOptions, Simulator
+    from replay.sim.simulator import Simulator
 
     s = replace(
         settings,
@@ -184,13 +195,14 @@ def run_one(
         admission=replace(settings.admission, mode=spec.admission),
     )
     start = time.perf_counter()
-    sim = Simulator(s, fleet, trace, SimOptions(ttft_after_transfer=ttft_after_transfer))
+    sim = Simulator(s, fleet, trace, options)
     result = sim.run(progress=ProgressBar(spec.label, enabled=not quiet))
     result.wall_s = time.perf_counter() - start
     result.extra["fleet"] = (
         f"{fleet.colocated} colocated" if fleet.colocated else f"{fleet.prefill}P+{fleet.decode}D"
     )
     result.extra["profile"] = fleet.profile
+    result.extra["network"] = sim.options.network
     result.extra["sim_requests_per_wall_s"] = round(len(trace) / max(result.wall_s, 1e-9), 1)
     return result
 
@@ -201,7 +213,7 @@ def tuned_run(
     trace: list[TraceRequest],
     spec: RunSpec,
     quiet: bool,
-    ttft_after_transfer: bool = False,
+    options: SimOptions | None = None,
 ) -> RunResult:
     """``--tune``: the peer's main threshold swept over PEER_TUNING's grid, as an operator
     would; the run with the best goodput wins (ties: the earlier, i.e. more permissive or
@@ -214,7 +226,7 @@ def tuned_run(
     for value in values:
         peer = replace(settings.admission.peer, **{key: value})
         s = replace(settings, admission=replace(settings.admission, peer=peer))
-        result = run_one(s, fleet, trace, spec, quiet, ttft_after_transfer)
+        result = run_one(s, fleet, trace, spec, quiet, options)
         goodput = summarize(result)["goodput_rps"] or 0.0
         if best is None or goodput > best[0]:
             best = (goodput, result)
@@ -305,6 +317,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "then counts in the first gap between tokens)",
     )
     p.add_argument(
+        "--network",
+        choices=sorted(NETWORK_MODELS),
+        default="calendar",
+        help="how KV transfers share a NIC: 'calendar' sends one at a time per link direction, "
+        "each in the earliest gap free on both ends (default; the model of every table in "
+        "docs/); 'fair' splits each link's bandwidth among the transfers on it",
+    )
+    p.add_argument(
         "--link-gbps",
         type=float,
         help="network between instances in Gbit/s (KV transfers; default 200, RDMA-class)",
@@ -342,13 +362,14 @@ def main(args: argparse.Namespace) -> int:
         trace = load_workload(args)
         if not trace:
             raise ValueError("the selection left no requests")
+        options = sim_options(args)
     except (KvgateError, ValueError, KeyError, OSError) as exc:  # KeyError: an unknown name
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     results = [
-        tuned_run(settings, fleet, trace, spec, args.quiet, args.ttft_after_transfer)
+        tuned_run(settings, fleet, trace, spec, args.quiet, options)
         if args.tune and spec.admission is AdmissionMode.PEER
-        else run_one(settings, fleet, trace, spec, args.quiet, args.ttft_after_transfer)
+        else run_one(settings, fleet, trace, spec, args.quiet, options)
         for spec in specs
     ]
     summaries = [summarize(r) for r in results]

@@ -21,7 +21,7 @@ from backends.predictor_files import predictor_factory
 from config.settings import Role, Settings
 from predictors.profiles import get_profile
 from replay.engine.engine import DecodeSeq, Engine, PrefillJob, StepReport
-from replay.engine.network import Network
+from replay.engine.network import NETWORK_MODELS
 from replay.report.results import LoadSample, Outcome, RequestOutcome, RunResult
 from replay.sim.fleet import FleetSpec, build_engines, fleet_settings
 from replay.workload.traces import TraceRequest
@@ -53,7 +53,18 @@ class SimOptions:
     # first token (SGLang P/D on the wire; vLLM NIXL one step later, as the live emulator);
     # the join wait then counts in TTFT, and the gaps are decode steps.
     ttft_after_transfer: bool = False
+    # How KV transfers share a NIC (replay.engine.network.NETWORK_MODELS): "calendar" sends
+    # one at a time per link direction, reserved up front (the model of the tables in docs/);
+    # "fair" splits each link's bandwidth among the transfers on it.
+    network: str = "calendar"
     label: str | None = None
+
+
+@dataclass(slots=True)
+class _InFlight:
+    kind: _Kind  # the event its arrival is
+    payload: object
+    version: int = 0  # of its latest scheduled end; earlier events for it are stale
 
 
 Progress = Callable[[int, int], None]  # (requests arrived so far, total)
@@ -76,7 +87,14 @@ class Simulator:
         self.engines: dict[str, Engine] = build_engines(self.settings, fleet)
         profile = get_profile(fleet.profile)
         self.kv_bytes_per_token = profile.kv_bytes_per_token
-        self.network = Network(self.settings.predictors.link_bandwidth_gbps * 1e9 / 8)
+        links = NETWORK_MODELS[self.options.network]
+        self.network = links(self.settings.predictors.link_bandwidth_gbps * 1e9 / 8)
+        self._flows: dict[int, _InFlight] = {}  # transfers in flight, by flow number
+        # Pulls in flight -> the requests whose prefill waits for them (Decision.waits_for),
+        # and each waiting request's pulls still to land.
+        self._held: dict[str, list[str]] = {}
+        self._waiting: dict[str, set[str]] = {}
+        self._flow_seq = 0
         self.block_size = self.settings.routing.block_size
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -118,9 +136,9 @@ class Simulator:
         total, arrived = len(self.trace), 0
         handlers = {
             _Kind.ENGINE: self._on_engine,
-            _Kind.PULL_DONE: self._on_pull_done,
-            _Kind.COPY_DONE: self._on_copy_done,
-            _Kind.KV_ARRIVED: self._on_kv_arrived,
+            _Kind.PULL_DONE: self._on_transfer_done,
+            _Kind.COPY_DONE: self._on_transfer_done,
+            _Kind.KV_ARRIVED: self._on_transfer_done,
         }
         heap = self._heap
         while heap:
@@ -185,11 +203,17 @@ class Simulator:
                 pull = cmd
             else:
                 self._start_copy(cmd, now)
+        waits = [c for c in decision.waits_for if c in self._held]
         if pull is not None:
             nbytes = pull.tokens * self.kv_bytes_per_token
             out.transferred_bytes = nbytes
-            end = self.network.transfer(pull.source, pull.destination, nbytes, now)
-            self._push(end, _Kind.PULL_DONE, (rid, pull))
+            self._held[pull.command_id] = []
+            waits.insert(0, pull.command_id)
+            self._transfer(_Kind.PULL_DONE, pull, pull.source, pull.destination, nbytes, now)
+        if waits:  # the prefill starts when the pulls it counts on have landed
+            self._waiting[rid] = set(waits)
+            for cid in waits:
+                self._held[cid].append(rid)
         else:
             self._submit_prefill(rid, now)
 
@@ -204,13 +228,42 @@ class Simulator:
         )
         self._wake(engine)
 
+    # ------------------------------------------------------------------ transfers
+    def _transfer(
+        self, kind: _Kind, payload: object, source: str, dest: str, nbytes: float, now: float
+    ) -> None:
+        self._flow_seq += 1
+        self._flows[self._flow_seq] = _InFlight(kind, payload)
+        self._schedule(self.network.start(self._flow_seq, source, dest, nbytes, now))
+
+    def _schedule(self, ends: list[tuple[int, float]]) -> None:
+        """(Re)schedule the transfers whose end is new or moved; older events become stale."""
+        for flow, end in ends:
+            entry = self._flows[flow]
+            entry.version += 1
+            self._push(end, entry.kind, (flow, entry.version))
+
+    def _on_transfer_done(self, payload: tuple[int, int], now: float) -> None:
+        flow, version = payload
+        entry = self._flows.get(flow)
+        if entry is None or entry.version != version:
+            return  # its end moved: a later event stands for it
+        del self._flows[flow]
+        self._schedule(self.network.finish(flow, now))
+        kind, what = entry.kind, entry.payload
+        if kind is _Kind.PULL_DONE:
+            self._on_pull_done(what, now)  # type: ignore[arg-type]
+        elif kind is _Kind.COPY_DONE:
+            self._land_copy(what, now)  # type: ignore[arg-type]
+        else:
+            self._on_kv_arrived(what, now)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ copies
     def _start_copy(self, cmd: ReplicationCommand, now: float) -> None:
         nbytes = cmd.tokens * self.kv_bytes_per_token
         self.result.replication_commands += 1
         self.result.replicated_bytes += nbytes
-        end = self.network.transfer(cmd.source, cmd.destination, nbytes, now)
-        self._push(end, _Kind.COPY_DONE, cmd)
+        self._transfer(_Kind.COPY_DONE, cmd, cmd.source, cmd.destination, nbytes, now)
 
     def _land_copy(self, cmd: ReplicationCommand, now: float) -> None:
         engine = self.engines.get(cmd.destination)
@@ -219,15 +272,16 @@ class Simulator:
             self._flush_kv_events(engine, now)
         self.conductor.replication_done(cmd.command_id, True, now)
 
-    def _on_pull_done(self, payload: tuple[str, ReplicationCommand], now: float) -> None:
-        rid, cmd = payload
+    def _on_pull_done(self, cmd: ReplicationCommand, now: float) -> None:
         self.result.replication_commands += 1
         self.result.replicated_bytes += cmd.tokens * self.kv_bytes_per_token
         self._land_copy(cmd, now)
-        self._submit_prefill(rid, now)
-
-    def _on_copy_done(self, cmd: ReplicationCommand, now: float) -> None:
-        self._land_copy(cmd, now)
+        for held in self._held.pop(cmd.command_id):  # its own request first, then the others
+            left = self._waiting[held]
+            left.discard(cmd.command_id)
+            if not left:
+                del self._waiting[held]
+                self._submit_prefill(held, now)
 
     # ------------------------------------------------------------------ engines
     def _flush_kv_events(self, engine: Engine, now: float) -> None:
@@ -267,8 +321,7 @@ class Simulator:
             elif decode_id != engine.id:
                 nbytes = req.prompt_tokens * self.kv_bytes_per_token
                 self.result.kv_transfer_bytes += nbytes
-                end = self.network.transfer(engine.id, decode_id, nbytes, now)
-                self._push(end, _Kind.KV_ARRIVED, rid)
+                self._transfer(_Kind.KV_ARRIVED, rid, engine.id, decode_id, nbytes, now)
             elif engine.role is Role.DECODE:  # conditional disagg: prefilled where it decodes
                 self._on_kv_arrived(rid, now)
         for seq in report.finished:

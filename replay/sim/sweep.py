@@ -56,6 +56,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         load_workload,
         parse_run_specs,
         run_one,
+        sim_options,
     )
     from routing.policies.registry import build_policy
 
@@ -71,6 +72,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if not base:
         raise ValueError("the selection left no requests")
     profile = get_profile(fleet.profile)
+    options = sim_options(args)
     points: list[dict[str, Any]] = []
     bar = ProgressBar("kvgate sim sweep", enabled=not args.quiet)
     cd_values = {"off": (False,), "on": (True,), "both": (False, True)}[args.conditional_disagg]
@@ -97,7 +99,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             for spec in specs:
                 for cd in cd_values:
                     s_cd = replace(s, routing=replace(s.routing, conditional_disagg=cd))
-                    result = run_one(s_cd, fleet, trace, spec, True, args.ttft_after_transfer)
+                    result = run_one(s_cd, fleet, trace, spec, True, options)
                     summary = summarize(result)
                     if cd:
                         summary["label"] += "+cd"

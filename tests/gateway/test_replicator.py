@@ -83,8 +83,11 @@ def test_outcomes_land_in_the_log_and_a_waited_pull_is_returned() -> None:
         rep.sink = _Sink(Outcome.OK)
         waits = rep.execute([_cmd("b0", "c1"), replace(_cmd("b0", "c2"), request_id="r1")])
         assert len(waits) == 1  # only the request's own pull is waited for
+        # ... and by a later request that counts on its blocks (Decision.waits_for)
+        assert rep.running(["c1", "c2", "gone"]) == waits
         await asyncio.gather(*waits)
         await asyncio.sleep(0)
+        assert rep.running(["c2"]) == []  # landed: nothing to wait for
         return [r.state for r in rep.log]
 
     assert asyncio.run(run()) == ["confirmed", "confirmed"]

@@ -17,6 +17,15 @@ def decide(c: Conductor, rid: str, blocks: tuple[int, ...], now: float = 0.0, **
     return req, c.schedule(req, now)
 
 
+def pull_scenario() -> Conductor:
+    """p0 holds a 200-block prefix but is 5 s behind, p2 is busy too, p1 idle."""
+    c = make_conductor()
+    hold(c, "p0", prompt(7, 200))
+    busy(c, "p0", 5.0)
+    busy(c, "p2", 5.0)
+    return c
+
+
 def test_prefers_the_holder_when_its_queue_is_short() -> None:
     c = make_conductor()
     hold(c, "p1", prompt(7, 200))
@@ -32,10 +41,7 @@ def test_prefers_the_holder_when_its_queue_is_short() -> None:
 
 
 def test_pulls_the_prefix_to_an_idle_instance_when_that_beats_waiting() -> None:
-    c = make_conductor()
-    hold(c, "p0", prompt(7, 200))
-    busy(c, "p0", 5.0)  # the holder is 5 s behind
-    busy(c, "p2", 5.0)
+    c = pull_scenario()
     _, d = decide(c, "r", prompt(7, 256))
     assert isinstance(d, Decision)
     assert d.prefill == "p1"
@@ -48,6 +54,25 @@ def test_pulls_the_prefix_to_an_idle_instance_when_that_beats_waiting() -> None:
     assert (cmd.source, cmd.destination) == ("p0", "p1")
     assert cmd.block_hashes == prompt(7, 200)
     assert cmd.request_id == "r"
+
+
+def test_a_request_counting_on_another_requests_pull_waits_for_it_to_land() -> None:
+    c = pull_scenario()
+    req_a, a = decide(c, "a", prompt(7, 256))
+    assert isinstance(a, Decision) and (a.prefill, a.pull_source) == ("p1", "p0")
+    assert a.waits_for == ()  # its own pull is in replications
+    c.dispatched(a, req_a, 0.0)  # books a's whole prompt at p1, pulled part included
+    _, b = decide(c, "b", prompt(7, 250), now=0.01)
+    assert isinstance(b, Decision) and b.prefill == "p1" and b.pull_source is None
+    (pull,) = a.replications
+    assert b.waits_for == (pull.command_id,)
+    # While it is on the wire, a prompt that shares none of the pulled blocks does not wait.
+    hold(c, "p1", prompt(8, 64))
+    _, other = decide(c, "o", prompt(8, 64), now=0.02)
+    assert isinstance(other, Decision) and other.prefill == "p1" and other.waits_for == ()
+    c.replication_done(pull.command_id, True, 0.5)  # landed: nothing left to wait for
+    _, b2 = decide(c, "b2", prompt(7, 250), now=0.6)
+    assert isinstance(b2, Decision) and b2.prefill == "p1" and b2.waits_for == ()
 
 
 def test_waits_for_the_holder_when_the_transfer_costs_more_than_the_wait() -> None:
@@ -300,10 +325,7 @@ def test_live_settings_change_applies_without_rebuilding_state() -> None:
 
 def test_a_withdrawn_decision_counts_as_a_rejection_and_releases_its_copies() -> None:
     # The pull scenario above: the decision carries a reactive replication command.
-    c = make_conductor()
-    hold(c, "p0", prompt(7, 200))
-    busy(c, "p0", 5.0)
-    busy(c, "p2", 5.0)
+    c = pull_scenario()
     _, d = decide(c, "r", prompt(7, 256))
     assert isinstance(d, Decision) and d.replications
     assert c.stats.decisions == 1 and c.planner.in_flight

@@ -32,6 +32,24 @@ def test_no_duplicate_copy_of_the_same_prefix_to_the_same_destination() -> None:
     assert len(p.in_flight) == 1
 
 
+def test_pulls_into_names_other_requests_pulls_that_carry_the_counted_blocks() -> None:
+    p = planner()
+    blocks = prompt(1, 8)
+    mine = p.reactive(request("a", blocks), "src", "x", 2, 8, 0.0)  # pulls blocks 2..7
+    assert mine is not None and mine.block_hashes == blocks[2:8]
+    elsewhere = p.reactive(request("c", prompt(2, 8)), "src", "y", 0, 8, 0.0)
+    assert elsewhere is not None
+    b = request("b", blocks)
+    assert p.pulls_into("x", b, 6 * 16) == (mine.command_id,)
+    assert p.pulls_into("x", request("a", blocks), 6 * 16) == ()  # its own pull: no wait
+    assert p.pulls_into("x", b, 2 * 16) == ()  # counts only what x already had
+    assert p.pulls_into("x", b, 0) == ()
+    assert p.pulls_into("x", request("b", prompt(2, 8)), 8 * 16) == ()  # another prefix
+    assert p.pulls_into("y", b, 8 * 16) == ()  # the pull to y carries other blocks
+    p.complete(mine.command_id, ok=True, now=1.0)
+    assert p.pulls_into("x", b, 6 * 16) == ()  # landed
+
+
 def test_access_rate_decays_with_half_life() -> None:
     from routing.types import PrefixMatch
 

@@ -210,3 +210,29 @@ def test_tbt_headroom_and_decode_rebind_switches(tmp_path: Path) -> None:
     assert learned["tbt_headroom_share"] < 1.0 and fixed["tbt_headroom_share"] == 1.0
     assert learned["admitted"] > fixed["admitted"]
     assert runs["learned", "off"]["decode_rebinds"] == 0
+
+
+def test_network_switch_times_the_same_transfers_two_ways(tmp_path: Path) -> None:
+    """Two prefill instances send long and short prompts' KV into one decode instance: with
+    ``fair`` the short ones share its inbound link with the long ones instead of queueing
+    behind them, so their first tokens come sooner; both move the same bytes."""
+    from replay.workload.traces import TraceRequest
+
+    def request(i: int) -> TraceRequest:
+        tokens = 65536 if i % 4 == 0 else 2048
+        blocks = tuple(range(i * 200, i * 200 + tokens // 512))  # no shared prefixes
+        return TraceRequest(i, i * 0.05, tokens, 8, blocks)
+
+    trace = tmp_path / "mixed.jsonl"
+    write_mooncake([request(i) for i in range(40)], trace)
+    runs = {}
+    for network in ("fair", "calendar"):
+        out = tmp_path / f"{network}.json"
+        cmd = ["sim", str(trace), "--quiet", "--prefill", "2", "--decode", "1"]
+        cmd += ["--admission", "none", "--ttft-after-transfer", "--link-gbps", "25"]
+        assert main([*cmd, "--network", network, "--json", str(out)]) == 0
+        runs[network] = json.loads(out.read_text())["runs"][0]
+    fair, calendar = runs["fair"], runs["calendar"]
+    assert (fair["network"], calendar["network"]) == ("fair", "calendar")
+    assert fair["kv_transfer_bytes"] == calendar["kv_transfer_bytes"] > 0
+    assert fair["ttft_p50_s"] < calendar["ttft_p50_s"]

@@ -177,3 +177,31 @@ def test_conditional_disagg_prefills_short_prompts_on_the_decode_instance() -> N
         assert r.prefill_instance == r.decode_instance == "d0"
         assert r.ttft_s < r_off.ttft_s / 10  # no wait behind the long prompts
     assert all(r.outcome is Outcome.COMPLETED for r in on_run.requests)
+
+
+def test_a_request_counting_on_another_requests_pull_is_prefilled_after_it_lands() -> None:
+    p, rest = tuple(range(1, 61)), tuple(range(200, 261))  # 60 blocks of 512 tokens each
+    trace = [
+        tr(0, 0.0, (*p, 1000), 2),  # p0 computes the prefix
+        tr(1, 5.0, p + rest, 2),  # extends it on p0, which is busy for ~1.7 s
+        tr(2, 5.1, (*p, 1002), 2),  # pulls the prefix from busy p0 to idle p1
+        tr(3, 5.12, (*p, 1003), 2),  # predicted to reuse r2's copy at p1
+    ]
+    sim = Simulator(settings(), FleetSpec(prefill=2, decode=1, profile=PROFILE), trace)
+    decisions = {}
+    schedule = sim.conductor.schedule
+
+    def record(req, now, *args):
+        decisions[req.request_id] = d = schedule(req, now, *args)
+        return d
+
+    sim.conductor.schedule = record  # type: ignore[method-assign]
+    out = {o.request_id: o for o in sim.run().requests}
+    assert decisions["r2"].pull_source == "p0" and decisions["r2"].prefill == "p1"
+    assert decisions["r3"].prefill == "p1" and len(decisions["r3"].waits_for) == 1
+    # Sent at once, r3 would have been prefilled before the copy landed: recomputing the
+    # 30k-token prefix (~1 s) and holding r2 behind it. Held, both reuse it as predicted.
+    for rid in ("r2", "r3"):
+        assert out[rid].cached_tokens == 60 * 512
+        assert out[rid].ttft_s == pytest.approx(decisions[rid].predicted_ttft_s, rel=0.1)
+        assert out[rid].ttft_s < 0.3
