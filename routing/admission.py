@@ -96,10 +96,26 @@ def resolve_slo(req: RequestInfo, slo: SLOSettings) -> EffectiveSLO:
 
 
 class Admission:
-    __slots__ = ("_peer", "_peer_policy", "reservations", "settings", "tbt_headroom")
+    __slots__ = (
+        "_floor_share",
+        "_peer",
+        "_peer_policy",
+        "reservations",
+        "settings",
+        "tbt_headroom",
+    )
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
+        # tbt_floor_s: every TBT comparison below has its threshold at or above this share
+        # of the limit (the plain limit, the limit less the decode reservation's largest
+        # reserve, best effort's max_decode_load).
+        share = 1.0
+        if settings.decode_reservation.enabled:
+            share = 1.0 - settings.decode_reservation.fraction
+        if settings.best_effort.enabled:
+            share = min(share, settings.best_effort.max_decode_load)
+        self._floor_share = share / settings.tbt_margin
         # One per served model: each model's pools, prompt lengths and overload are its own.
         self.reservations: dict[str | None, DecodeReservation] = {}
         self.tbt_headroom: dict[str | None, TBTHeadroomControl] = {}
@@ -166,6 +182,10 @@ class Admission:
         if not retry:
             reservation.record(req.prompt_tokens, rejection is None)
         return rejection
+
+    def tbt_floor_s(self, slo: EffectiveSLO) -> float:
+        """The TBT at or below which no admission decision turns on its exact value."""
+        return slo.tbt_limit_s * self._floor_share
 
     def headroom_for(self, model: str | None) -> TBTHeadroomControl:
         settings = self.settings.tbt_headroom

@@ -250,8 +250,10 @@ class Conductor(RequestProgress):
             prefill,
             option,
             self.policy,
-            self.settings.routing.decode_placement,
+            routing.decode_placement,
             self.admission.mode,
+            routing.decode_rebind and self.policy.late_decode_binding,
+            self.admission.tbt_floor_s(slo),
         )
         if decode is None:
             return self._reject_capacity(req, slo, option)

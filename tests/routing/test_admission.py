@@ -69,3 +69,23 @@ def test_retry_after_is_clamped() -> None:
     a = Admission(AdmissionSettings(mode=AdmissionMode.EARLY, retry_after_max_s=10.0))
     r = a.check(req(), resolve_slo(req(), SLO), 500.0, 0.0, 1.0)
     assert r is not None and r.retry_after_s == 10.0
+
+
+def test_tbt_floor_is_below_every_tbt_threshold_the_checks_use() -> None:
+    from dataclasses import replace
+
+    base = AdmissionSettings(mode=AdmissionMode.PREDICTIVE)
+    slo = resolve_slo(req(), SLO)  # std: no headroom, 100 ms
+    # The reservation keeps up to 15 % of the limit, best effort wants decode under 80 % of it.
+    assert Admission(base).tbt_floor_s(slo) == pytest.approx(0.08)
+    no_best_effort = replace(base, best_effort=replace(base.best_effort, enabled=False))
+    assert Admission(no_best_effort).tbt_floor_s(slo) == pytest.approx(0.085)
+    plain = replace(
+        no_best_effort,
+        decode_reservation=replace(base.decode_reservation, enabled=False),
+        tbt_margin=1.25,
+    )
+    assert Admission(plain).tbt_floor_s(slo) == pytest.approx(0.08)  # 100 ms / 1.25
+    # Just above the floor a check still admits: the floor decides nothing by itself.
+    a = Admission(base)
+    assert a.check(req(), slo, 0.1, a.tbt_floor_s(slo) * 1.01, 1.0) is None

@@ -209,6 +209,36 @@ def test_predictive_rejects_what_early_admits_when_arrivals_will_crowd_the_decod
     assert r.predicted_tbt_s > 0.02 > d.predicted_tbt_s
 
 
+@pytest.mark.parametrize("rebind", [True, False])
+def test_predictive_with_late_binding_asks_whether_any_decode_instance_will_take_it(
+    rebind: bool,
+) -> None:
+    # d0, the committed-load choice, has 128 long requests landing before this one does; d1
+    # runs 130 that finish first. Decided again at prefill completion (late binding), the
+    # decode can go to d1, so predictive admits; bound up front to d0, it rejects.
+    from routing.instance_books import DecodeWork
+
+    c = make_conductor(
+        prefill=1,
+        decode=2,
+        admission=AdmissionMode.PREDICTIVE,
+        slo=SLOSettings(ttft_s=30.0, tbt_s=0.02),
+        routing=replace(fleet_settings().routing, decode_rebind=rebind),
+    )
+    d0, d1 = c.instances["d0"], c.instances["d1"]
+    for i in range(130):
+        if i < 128:
+            d0.add_incoming(DecodeWork(f"new{i}", 3000, 1, 0.01))
+        d1.add_incoming(DecodeWork(f"old{i}", 3000, 1, 0.0))
+        d1.start_decode(f"old{i}", 0.0)  # each one token from done
+    _, out = decide(c, "r", prompt(5, 64))
+    if rebind:
+        assert isinstance(out, Decision) and out.decode == "d0", out
+    else:
+        assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
+        assert out.predicted_tbt_s > 0.02
+
+
 def test_lower_priority_is_shed_first() -> None:
     c = make_conductor(admission=AdmissionMode.EARLY)
     for p in ("p0", "p1", "p2"):
