@@ -105,3 +105,50 @@ def test_a_sink_that_did_nothing_is_not_executed() -> None:
         return rep.log[-1].state
 
     assert asyncio.run(run()) == "not_executed"
+
+
+def test_before_prefill_waits_for_another_requests_pull_it_counts_on() -> None:
+    from gateway.openai import ParsedRequest
+    from routing.types import Decision, RequestInfo
+
+    rep, _ = _replicator(_settings(ReplicationSink.ENGINE, None))
+
+    def decision(rid: str, pulls: tuple[ReplicationCommand, ...], waits: tuple[str, ...]):
+        return Decision(
+            rid, "b0", "b0", 0.1, 0.01, 0.0, 0.1, 0.0, 0.0, 64, 32, 64, "kvcache_centric",
+            "test", "normal", 30.0, 0.1, replications=pulls, waits_for=waits,
+        )  # fmt: skip
+
+    def parsed(rid: str) -> ParsedRequest:
+        return ParsedRequest(RequestInfo(rid, 64, (1, 2, 3, 4), 16, 0.0), {}, False)
+
+    class _Held(_Sink):  # a pull that lands when the test says so
+        def __init__(self) -> None:
+            super().__init__(Outcome.OK)
+            self.land = asyncio.Event()
+
+        async def execute(self, cmd: ReplicationCommand) -> ReplicationResult:
+            await self.land.wait()
+            return await super().execute(cmd)
+
+    async def run() -> list[str]:
+        sink = rep.sink = _Held()
+        order: list[str] = []
+        pull = replace(_cmd("b0", "c1"), request_id="a")
+
+        async def send(rid: str, d: Decision) -> None:
+            await rep.before_prefill("/v1/completions", parsed(rid), d)
+            order.append(rid)
+
+        a = asyncio.create_task(send("a", decision("a", (pull,), ())))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(send("b", decision("b", (), ("c1",))))
+        c = asyncio.create_task(send("c", decision("c", (), ("gone",))))  # landed already
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert order == ["c"]  # a and b wait for the same pull
+        sink.land.set()
+        await asyncio.gather(a, b, c)
+        return order
+
+    assert asyncio.run(run())[1:] == ["a", "b"]
