@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from operator import attrgetter
 
-from config.settings import AdmissionMode, InstanceSettings, Role, Settings
+from config.settings import AdmissionMode, InstanceSettings, PDProtocol, Role, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.output_length import OutputLengthPredictor
 from routing.admission import (
@@ -140,6 +140,7 @@ class Conductor(RequestProgress):
             max_batch=spec.max_batch,
             bit_order=self._order,
             model=spec.model,
+            decode_after_prefill=spec.protocol is not PDProtocol.SGLANG,
         )
         self._order += 1
         self.instances[spec.id] = inst
@@ -252,7 +253,9 @@ class Conductor(RequestProgress):
             self.policy,
             routing.decode_placement,
             self.admission.mode,
-            routing.decode_rebind and self.policy.late_decode_binding,
+            routing.decode_rebind
+            and self.policy.late_decode_binding
+            and prefill.decode_after_prefill,
             self.admission.tbt_floor_s(slo),
         )
         if decode is None:

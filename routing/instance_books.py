@@ -109,6 +109,10 @@ class InstanceState:
     max_batch: int
     bit_order: int = 0  # registration order, the deterministic tie-break
     model: str | None = None  # served model (config ``models``); None = the only one
+    # The decode leg goes out once this prefill instance has answered (vLLM's P/D protocol),
+    # so the decode instance can still be chosen then (late decode binding); SGLang's legs
+    # go out together.
+    decode_after_prefill: bool = True
     healthy: bool = True
     draining: bool = False
     prefill_queue: dict[str, PrefillWork] = field(default_factory=dict)

@@ -86,9 +86,11 @@ class RequestProgress:
         if rec is None or rec.prefill_done_s is not None or not self.policy.late_decode_binding:
             return None
         d, req = rec.decision, rec.request
-        planned = self.instances.get(d.decode)
+        planned, prefill = self.instances.get(d.decode), self.instances.get(d.prefill)
         if planned is None or d.decode == d.prefill or request_id not in planned.incoming:
             return None
+        if prefill is not None and not prefill.decode_after_prefill:
+            return None  # SGLang's decode leg left with the prefill's
         pool = self._pools_for(req).decode
         need = req.prompt_tokens + d.predicted_output_tokens
         target = rebind_target(planned, pool, req.prompt_tokens, need, d.slo_tbt_s)

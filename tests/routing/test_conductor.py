@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from config.settings import AdmissionMode, ReplicationSettings, SLOSettings
+from config.settings import AdmissionMode, PDProtocol, ReplicationSettings, SLOSettings
 from routing.conductor import Conductor
 from routing.types import BlockRemoved, Decision, Rejection, RejectReason, ReplicationReason
 from tests.routing.fleet import busy, fleet_settings, hold, make_conductor, prompt, request
@@ -209,22 +209,31 @@ def test_predictive_rejects_what_early_admits_when_arrivals_will_crowd_the_decod
     assert r.predicted_tbt_s > 0.02 > d.predicted_tbt_s
 
 
-@pytest.mark.parametrize("rebind", [True, False])
+@pytest.mark.parametrize(
+    ("rebind", "protocol"),
+    [(True, PDProtocol.VLLM), (False, PDProtocol.VLLM), (True, PDProtocol.SGLANG)],
+)
 def test_predictive_with_late_binding_asks_whether_any_decode_instance_will_take_it(
-    rebind: bool,
+    rebind: bool, protocol: PDProtocol
 ) -> None:
     # d0, the committed-load choice, has 128 long requests landing before this one does; d1
     # runs 130 that finish first. Decided again at prefill completion (late binding), the
-    # decode can go to d1, so predictive admits; bound up front to d0, it rejects.
+    # decode can go to d1, so predictive admits; bound up front to d0 (late binding off, or
+    # SGLang's P/D, whose decode leg leaves with the prefill's), it rejects.
     from routing.instance_books import DecodeWork
 
-    c = make_conductor(
+    settings = fleet_settings(
         prefill=1,
         decode=2,
         admission=AdmissionMode.PREDICTIVE,
         slo=SLOSettings(ttft_s=30.0, tbt_s=0.02),
         routing=replace(fleet_settings().routing, decode_rebind=rebind),
     )
+    pools = tuple(
+        replace(p, instances=tuple(replace(i, protocol=protocol) for i in p.instances))
+        for p in settings.pools
+    )
+    c = Conductor(replace(settings, pools=pools))
     d0, d1 = c.instances["d0"], c.instances["d1"]
     for i in range(130):
         if i < 128:
@@ -232,7 +241,7 @@ def test_predictive_with_late_binding_asks_whether_any_decode_instance_will_take
         d1.add_incoming(DecodeWork(f"old{i}", 3000, 1, 0.0))
         d1.start_decode(f"old{i}", 0.0)  # each one token from done
     _, out = decide(c, "r", prompt(5, 64))
-    if rebind:
+    if rebind and protocol is PDProtocol.VLLM:
         assert isinstance(out, Decision) and out.decode == "d0", out
     else:
         assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO

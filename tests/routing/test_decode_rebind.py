@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from config.settings import (
     AdmissionMode,
+    PDProtocol,
     PredictorSettings,
     PriorityClass,
     SLOSettings,
@@ -112,6 +113,18 @@ def test_no_rebind_after_the_prefill_is_done_or_for_peer_policies() -> None:
     pd = _dispatch(peer, "r2")
     _fill(peer, pd.decode, _seqs_over(peer, pd.decode, 1024, 0.1, CTX), CTX)
     assert peer.rebind_decode("r2", 1.0) is None and peer.stats.rebinds == 0
+
+
+def test_no_rebind_behind_an_sglang_prefill_whose_decode_leg_has_left() -> None:
+    settings = fleet_settings(predictors=PROFILE, prefill=1, decode=2)
+    pools = tuple(
+        replace(p, instances=tuple(replace(i, protocol=PDProtocol.SGLANG) for i in p.instances))
+        for p in settings.pools
+    )
+    c = Conductor(replace(settings, pools=pools))
+    d = _dispatch(c, "r1")
+    _fill(c, d.decode, _seqs_over(c, d.decode, 1024, 0.1, CTX), CTX)
+    assert c.rebind_decode("r1", 1.0) is None and c.stats.rebinds == 0
 
 
 def test_colocated_decodes_never_move() -> None:
