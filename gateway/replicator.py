@@ -23,6 +23,8 @@ from backends.prefix_tokens import PrefixTokenStore
 from backends.replication import (
     DryRunSink,
     ManagedSink,
+    Outcome,
+    ReplicationResult,
     ReplicationSinkProtocol,
     SinkByDestination,
 )
@@ -230,14 +232,15 @@ class Replicator:
     async def before_prefill(self, path: str, parsed: ParsedRequest, d: Decision) -> None:
         """Start the decision's copies; return once the pulls its prefill reuses have landed
         (its own, and other requests' still on the wire that carry blocks it was predicted to
-        reuse: ``Decision.waits_for``), or after ``replication.timeout_s``."""
+        reuse: ``Decision.waits_for``), or after ``replication.timeout_s``. A pull that failed
+        only means the prefill computes that prefix: the request goes on."""
         if d.replications:  # a warm-up copy sends this prompt's prefix tokens
             self.remember_prompt(path, parsed)
         pulls = self.execute(d.replications) + self.running(d.waits_for)
         if pulls:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
-                    asyncio.shield(asyncio.gather(*pulls)),
+                    asyncio.shield(asyncio.gather(*pulls, return_exceptions=True)),
                     self._settings().replication.timeout_s,
                 )
 
@@ -247,7 +250,10 @@ class Replicator:
         return [t for cid in command_ids if (t := self._pulls.get(cid)) is not None]
 
     async def _run(self, cmd: ReplicationCommand, record: ReplicationRecord) -> bool:
-        result = await self.sink.execute(cmd)  # the sink retries within its own budget
+        try:
+            result = await self.sink.execute(cmd)  # the sink retries within its own budget
+        except Exception as exc:  # a sink bug or an I/O error it let through: a failed copy
+            result = ReplicationResult(cmd.command_id, Outcome.FAILED, error=repr(exc))
         now = self.clock()
         record.attempts, record.latency_s = result.attempts, result.latency_s
         record.error = result.error

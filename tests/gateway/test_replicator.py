@@ -152,3 +152,29 @@ def test_before_prefill_waits_for_another_requests_pull_it_counts_on() -> None:
         return order
 
     assert asyncio.run(run())[1:] == ["a", "b"]
+
+
+def test_a_sink_that_raises_fails_the_copy_not_the_requests_waiting_for_it() -> None:
+    from gateway.openai import ParsedRequest
+    from routing.types import Decision, RequestInfo
+
+    rep, _ = _replicator(_settings(ReplicationSink.ENGINE, None))
+
+    class _Broken(_Sink):
+        async def execute(self, cmd: ReplicationCommand) -> ReplicationResult:
+            raise ConnectionResetError("engine went away mid-copy")
+
+    async def run() -> str:
+        rep.sink = _Broken(Outcome.OK)
+        pull = replace(_cmd("b0", "c1"), request_id="a")
+        d = Decision(
+            "a", "b0", "b0", 0.1, 0.01, 0.0, 0.1, 0.0, 0.0, 64, 32, 64, "kvcache_centric",
+            "test", "normal", 30.0, 0.1, replications=(pull,),
+        )  # fmt: skip
+        info = RequestInfo("a", 64, (1, 2, 3, 4), 16, 0.0)
+        await rep.before_prefill("/v1/completions", ParsedRequest(info, {}, False), d)
+        await asyncio.sleep(0)
+        return rep.log[-1].state
+
+    assert asyncio.run(run()) == "failed"  # the request went on; the copy counts as failed
+    assert "ConnectionResetError" in (rep.log[-1].error or "")
