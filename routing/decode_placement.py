@@ -104,14 +104,14 @@ def predictive_tbt(
     ``pool``: with late decode binding, the decode instance is chosen again when the prefill
     is done (``rebind_target``), so the request needs *some* instance to take it then: the
     lowest forecast among ``d`` and the others in ``pool`` with room for ``need_tokens``,
-    still never below today's TBT on ``d``. Only
+    each never below its own today's TBT (the credit's reasons hold on every instance). Only
     ``d`` was forecast before late binding existed, as picking the best of several forecasts
     selects for the most optimistic error; now the rebind checks the instance again when the
     prefill is done and a wrong guess costs a wasted prefill, measured (docs/experiments.md
-    §2.3, "Predictive admission with late binding": ≤ 0.59 % wasted). The others are forecast
-    only while the best forecast is above both today's TBT and ``floor_s`` (below which the
-    exact value decides nothing): forecasting every instance for every decision doubled
-    `kvgate bench decision`'s p50."""
+    §2.3, "Predictive admission with late binding": ≤ 0.60 % wasted). The others are looked
+    at only while the best value is above both today's TBT and ``floor_s`` (below which the
+    exact value decides nothing), and one already at or above it today is not forecast:
+    forecasting every instance for every decision doubled `kvgate bench decision`'s p50."""
     at = now + ttft_s + d.predictors.link.time(prompt_tokens)
     fc = d.forecast(at, now, prompt_tokens).tbt_s
     enough = tbt_now if tbt_now > floor_s else floor_s
@@ -120,7 +120,12 @@ def predictive_tbt(
             break
         if x is d or x.reserved_tokens + need_tokens > x.capacity_tokens or x.batch >= x.max_batch:
             continue  # InstanceState.takes_decode, inlined as in place_decode
+        floor = x.tbt_now(1, prompt_tokens)  # the same rule as for d: no credit below it
+        if floor >= fc:
+            continue
         other = x.forecast(at, now, prompt_tokens).tbt_s
+        if other < floor:
+            other = floor
         if other < fc:
             fc = other
     return fc if fc > tbt_now else tbt_now

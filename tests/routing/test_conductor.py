@@ -217,9 +217,11 @@ def test_predictive_with_late_binding_asks_whether_any_decode_instance_will_take
     rebind: bool, protocol: PDProtocol
 ) -> None:
     # d0, the committed-load choice, has 128 long requests landing before this one does; d1
-    # runs 130 that finish first. Decided again at prefill completion (late binding), the
-    # decode can go to d1, so predictive admits; bound up front to d0 (late binding off, or
-    # SGLang's P/D, whose decode leg leaves with the prefill's), it rejects.
+    # has 130 on their way too, but they land long after it. Decided again at prefill
+    # completion (late binding), the decode can go to d1, so predictive admits; bound up
+    # front to d0 (late binding off, or SGLang's P/D, whose decode leg leaves with the
+    # prefill's), it rejects. A d1 whose load runs today and is predicted to finish first
+    # would not do: no instance's check goes below its own today's TBT.
     from routing.instance_books import DecodeWork
 
     settings = fleet_settings(
@@ -237,15 +239,34 @@ def test_predictive_with_late_binding_asks_whether_any_decode_instance_will_take
     d0, d1 = c.instances["d0"], c.instances["d1"]
     for i in range(130):
         if i < 128:
-            d0.add_incoming(DecodeWork(f"new{i}", 3000, 1, 0.01))
-        d1.add_incoming(DecodeWork(f"old{i}", 3000, 1, 0.0))
-        d1.start_decode(f"old{i}", 0.0)  # each one token from done
+            d0.add_incoming(DecodeWork(f"soon{i}", 3000, 1, 0.01))
+        d1.add_incoming(DecodeWork(f"later{i}", 3000, 1, 100.0))
+    assert d0.committed_key < d1.committed_key  # d0 is the planned one
     _, out = decide(c, "r", prompt(5, 64))
     if rebind and protocol is PDProtocol.VLLM:
         assert isinstance(out, Decision) and out.decode == "d0", out
     else:
         assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
         assert out.predicted_tbt_s > 0.02
+
+
+def test_predictive_takes_no_departure_credit_on_the_other_decode_instances_either() -> None:
+    # As above, but d1's 130 run today, each predicted one token from done: its forecast
+    # would take them all off; its check stays at today's TBT, too slow, so it rejects.
+    from routing.instance_books import DecodeWork
+
+    slo = SLOSettings(ttft_s=30.0, tbt_s=0.02)
+    c = make_conductor(prefill=1, decode=2, admission=AdmissionMode.PREDICTIVE, slo=slo)
+    d0, d1 = c.instances["d0"], c.instances["d1"]
+    for i in range(130):
+        if i < 128:
+            d0.add_incoming(DecodeWork(f"soon{i}", 3000, 1, 0.01))
+        d1.add_incoming(DecodeWork(f"old{i}", 3000, 1, 0.0))
+        d1.start_decode(f"old{i}", 0.0)
+    at = 0.1
+    assert d1.forecast(at, 0.0, 1024).tbt_s < 0.018 < d1.tbt_now(1, 1024)
+    _, out = decide(c, "r", prompt(5, 64))
+    assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
 
 
 def test_lower_priority_is_shed_first() -> None:
