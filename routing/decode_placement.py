@@ -118,8 +118,8 @@ def predictive_tbt(
     for x in pool:
         if fc <= enough:
             break
-        if x is d or x.reserved_tokens + need_tokens > x.capacity_tokens or x.batch >= x.max_batch:
-            continue  # InstanceState.takes_decode, inlined as in place_decode
+        if x is d or not x.takes_decode(need_tokens):
+            continue
         floor = x.tbt_now(1, prompt_tokens)  # the same rule as for d: no credit below it
         if floor >= fc:
             continue
