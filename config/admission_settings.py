@@ -62,6 +62,24 @@ class BestEffortSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class DoomedWarmupSettings:
+    """Warm the prompt of a request turned away because even an idle instance would miss its
+    TTFT SLO (a "doomed" one, not served best effort) on a prefill instance with nothing
+    booked, when at least ``min_idle`` of the prefill pool have nothing booked and its decode
+    would have had room: the requests that later share its prefix find it cached instead of
+    being doomed in turn. routing/doomed_warmup.py; measured in docs/experiments.md §2.3."""
+
+    enabled: bool = True
+    # Prefill instances with nothing booked at the decision, the one warmed included (the
+    # whole pool where it is smaller).
+    min_idle: int = 3
+    # The TBT its decode instance is checked at, as a share of its TBT limit (its decode
+    # reservation taken off), at most: where decode binds, the longer contexts its prefix
+    # lets in would take the room of shorter ones.
+    max_decode_load: float = 0.9
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeReservationSettings:
     """Under decode overload, keep the last ``fraction`` of the TBT limit for shorter prompts
     (trunk reservation; routing/decode_reservation.py; measured in docs/experiments.md §2.3)."""
@@ -104,6 +122,7 @@ class AdmissionSettings:
     mode: AdmissionMode = AdmissionMode.PREDICTIVE
     peer: PeerOverloadSettings = field(default_factory=PeerOverloadSettings)
     best_effort: BestEffortSettings = field(default_factory=BestEffortSettings)
+    doomed_warmup: DoomedWarmupSettings = field(default_factory=DoomedWarmupSettings)
     decode_reservation: DecodeReservationSettings = field(default_factory=DecodeReservationSettings)
     tbt_headroom: TBTHeadroomSettings = field(default_factory=TBTHeadroomSettings)
     # Predictions are multiplied by these before the SLO comparison (>1 = conservative).

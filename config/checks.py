@@ -119,6 +119,8 @@ def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     b = a.best_effort
     c.between("admission.best_effort.idle_share", b.idle_share, 0.0, 1.0)
     c.between("admission.best_effort.max_decode_load", b.max_decode_load, 0.0, 1.0)
+    c.at_least("admission.doomed_warmup.min_idle", a.doomed_warmup.min_idle, 1)
+    c.between("admission.doomed_warmup.max_decode_load", a.doomed_warmup.max_decode_load, 0, 1)
     r = a.decode_reservation
     key = "admission.decode_reservation."
     c.between(key + "fraction", r.fraction, 0.0, 0.9)

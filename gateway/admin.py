@@ -240,6 +240,7 @@ class AdminAPI:
                 "decisions": c.stats.decisions,
                 "rejections": c.stats.rejections,
                 "best_effort_admitted": c.stats.best_effort,
+                "doomed_warmups": c.stats.warmups,
                 "decode_reservation": {
                     "turned_away": c.admission.turned_away_by_reserve,
                     # per served model ("" = the single-model default): share of the recent

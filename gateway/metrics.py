@@ -37,6 +37,13 @@ class GatewayMetrics:
             "even idle, and the fleet had idle capacity (admission.best_effort)",
             registry=r,
         )
+        self.doomed_warmups = Counter(
+            "kvgate_doomed_warmups",
+            "Prompts of doomed requests turned away, prefilled for the requests that share "
+            "their prefix (admission.doomed_warmup), by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvgate_ttft_seconds",
             "Observed time to first token",

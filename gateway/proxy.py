@@ -39,6 +39,7 @@ from gateway.answers import (
     send_upstream_error,
     usable_request_id,
 )
+from gateway.doomed_warmups import DoomedWarmups
 from gateway.learning import DecisionRecord
 from gateway.openai import (
     BadRequest,
@@ -69,6 +70,7 @@ class CompletionHandler:
     def __init__(self, gw: ProxyGateway, tenants: TenantGate | None = None) -> None:
         self.gw = gw
         self.tenants = tenants or TenantGate(gw)  # keys, rate limits, fair share (or off)
+        self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         requests = gw.metrics.requests
         self._completed = requests.labels("completed")
         self._rejected = requests.labels("rejected")
@@ -211,6 +213,8 @@ class CompletionHandler:
                 await send_upstream_error(send, last_error, rid)
                 return
             if isinstance(decision, Rejection):
+                if decision.warmup is not None:  # booked now, on the view that chose it
+                    self.warmups.start(decision, parsed, path)
                 await self._reject(send, decision, decision_s, parsed.info)
                 return
             await gw.replicator.before_prefill(path, parsed, decision)

@@ -183,6 +183,15 @@ class Admission:
             reservation.record(req.prompt_tokens, rejection is None)
         return rejection
 
+    def tbt_limit_s(self, req: RequestInfo, slo: EffectiveSLO, tbt_s: float) -> float:
+        """The TBT limit ``req``'s decode is checked against when ``tbt_s`` is its TBT, its
+        decode reservation taken off (as ``check`` would; nothing is counted)."""
+        reservation = self.reservations.get(req.model)
+        if reservation is None:
+            return slo.tbt_limit_s
+        plain_fails = tbt_s * self.settings.tbt_margin > slo.tbt_limit_s
+        return slo.tbt_limit_s * (1.0 - reservation.reserve(req.prompt_tokens, plain_fails, False))
+
     def tbt_floor_s(self, slo: EffectiveSLO) -> float:
         """The TBT at or below which no admission decision turns on its exact value."""
         return slo.tbt_limit_s * self._floor_share

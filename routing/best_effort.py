@@ -53,18 +53,26 @@ def serve_best_effort(
     best effort: True only when the TTFT check would reject it even on an idle instance and
     every condition above holds."""
     s = admission.best_effort
-    if not s.enabled or admission.mode not in SLO_MODES or req.slo_ttft_s is not None:
+    if not s.enabled or not doomed(req, option, slo, admission):
         return False
-    if (option.ttft_s - option.queue_s) * admission.ttft_margin <= slo.ttft_limit_s:
-        return False  # it could meet the SLO on an idle instance: not doomed
     if tbt_s * admission.tbt_margin > s.max_decode_load * slo.tbt_limit_s:
         return False
-    if not _idle(option.instance, now):
+    if not nothing_booked(option.instance, now):
         return False
-    idle = sum(1 for inst in pool if _idle(inst, now))
+    idle = sum(1 for inst in pool if nothing_booked(inst, now))
     return idle >= s.idle_share * len(pool)
 
 
-def _idle(inst: InstanceState, now: float) -> bool:
+def doomed(
+    req: RequestInfo, option: PrefillOption, slo: EffectiveSLO, admission: AdmissionSettings
+) -> bool:
+    """Whether the TTFT check would reject ``req`` on ``option`` even with no queue there, under
+    an SLO admission mode and the configured TTFT SLO (a client's own deadline is its own)."""
+    if admission.mode not in SLO_MODES or req.slo_ttft_s is not None:
+        return False
+    return (option.ttft_s - option.queue_s) * admission.ttft_margin > slo.ttft_limit_s
+
+
+def nothing_booked(inst: InstanceState, now: float) -> bool:
     """No prefill booked, not even one the books think done (a late pull keeps it waiting)."""
     return not inst.prefill_queue and inst.queue_time(now) <= 0.0

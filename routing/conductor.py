@@ -1,11 +1,12 @@
 """The Conductor: one pure, deterministic decision core for the gateway and the simulator.
 
 ``schedule(request, now)`` returns a ``Decision`` (prefill and decode instance, predictions,
-replication commands) or a ``Rejection``; it does not change the books. ``reject_hopeless``
+replication commands) or a ``Rejection`` (which may carry the warm-up of a doomed request's
+prompt, routing/doomed_warmup.py); it does not change the books. ``reject_hopeless``
 answers the rejections that need no prompt tokens (routing/hopeless.py). ``dispatched`` commits
-a decision; the event methods (the request's progress in routing/request_progress.py, and
-kv_event, replication_done, instance add/drain/remove/health here) keep the books true to what
-happened. The eligible pools per model live in routing/fleet_pools.py.
+a decision; the event methods (the request's progress in routing/request_progress.py, the
+KV view's in routing/cache_view_events.py, instance add/drain/remove/health here) keep the
+books true to what happened. The eligible pools per model live in routing/fleet_pools.py.
 Time is always an argument; nothing here does I/O or reads a clock.
 """
 
@@ -27,8 +28,10 @@ from routing.admission import (
     unavailable_rejection,
 )
 from routing.best_effort import serve_best_effort
+from routing.cache_view_events import CacheViewEvents
 from routing.conditional_disagg import local_prefill
 from routing.decode_placement import place_decode
+from routing.doomed_warmup import plan_warmup
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
 from routing.fleet_pools import FleetPools, ModelPools
 from routing.hopeless import hopeless_rejection
@@ -39,16 +42,11 @@ from routing.policies.base import PlacementContext, Policy
 from routing.policies.registry import build_policy
 from routing.request_progress import RequestProgress, RequestRecord
 from routing.types import (
-    BlockRemoved,
-    BlockStored,
     Decision,
     DecisionStats,
-    KVEvent,
     Rejection,
     RejectReason,
-    ReplicationCommand,
     RequestInfo,
-    Tier,
 )
 
 PredictorFactory = Callable[[str | None], InstancePredictors]
@@ -57,7 +55,7 @@ __all__ = ["Conductor", "PredictorFactory", "RequestRecord"]
 _BIT_ORDER = attrgetter("bit_order")
 
 
-class Conductor(RequestProgress):
+class Conductor(RequestProgress, CacheViewEvents):
     def __init__(
         self,
         settings: Settings,
@@ -275,7 +273,9 @@ class Conductor(RequestProgress):
             )
         if rejection is not None:
             self._count_rejection(rejection)
-            return rejection
+            return plan_warmup(
+                ctx, slo, rejection, option, tbt_check, self.admission, self.policy.name
+            )
 
         replications = self.planner.plan(
             req, ctx.match, ctx.prefill_candidates, self.instances, option, now
@@ -376,43 +376,3 @@ class Conductor(RequestProgress):
             inst.predictors = swapped[key]
             changed += 1
         return changed
-
-    def set_capacity(self, instance_id: str, capacity_tokens: int) -> None:
-        """The engine reported its KV capacity (tokens): it replaces the profile's."""
-        inst = self.instances.get(instance_id)
-        if inst is None or capacity_tokens <= 0 or inst.capacity_tokens == capacity_tokens:
-            return
-        inst.capacity_tokens = capacity_tokens
-        if instance_id in self.index:
-            self.index.set_capacity(instance_id, max(capacity_tokens // self.block_size, 1))
-
-    def kv_event(self, instance_id: str, event: KVEvent, now: float) -> None:
-        self._event_fed.add(instance_id)
-        self.index.apply(instance_id, event, now)
-        if isinstance(event, BlockRemoved):
-            self.prefix_evicted(instance_id, event.block_hashes, now)
-
-    def evict(self, instance_id: str, block_hashes: tuple[int, ...], now: float) -> None:
-        """The gateway knows the engine dropped these blocks without an event saying so (a
-        llama.cpp slot it reused for another prompt); the instance stays feedback-corrected."""
-        self.index.apply(instance_id, BlockRemoved(block_hashes), now)
-        self.prefix_evicted(instance_id, block_hashes, now)
-
-    def replication_dropped(self, command_id: str) -> None:
-        """A command that will not be executed (dry run): release its in-flight slot."""
-        self.planner.drop(command_id)
-
-    def replication_done(
-        self, command_id: str, ok: bool, now: float, tier: Tier = Tier.GPU
-    ) -> ReplicationCommand | None:
-        """A copy finished. On success the destination holds the blocks (on ``tier``; a copy
-        into the shared store makes them loadable by every instance); on failure the index
-        is unchanged and a retry command may be returned."""
-        entry = self.planner.in_flight.get(command_id)
-        if entry is not None and ok:
-            cmd = entry.command
-            if tier is Tier.STORE:
-                self.index.apply_store(BlockStored(cmd.block_hashes, Tier.STORE))
-            elif cmd.destination in self.instances:
-                self.index.apply(cmd.destination, BlockStored(cmd.block_hashes, tier), now)
-        return self.planner.complete(command_id, ok, now)

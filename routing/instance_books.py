@@ -145,6 +145,12 @@ class InstanceState:
         return self.role is not Role.PREFILL
 
     @property
+    def serves_plain_requests(self) -> bool:
+        """Answers a request with no P/D fields (a warm-up): colocated engines and vLLM's P/D
+        prefill do; an SGLang prefill server waits for its decode's bootstrap."""
+        return self.role is Role.BOTH or self.decode_after_prefill
+
+    @property
     def idle(self) -> bool:
         return not self.prefill_queue and not self.running and not self.incoming
 

@@ -1,10 +1,11 @@
 """The Conductor's books of placed requests: what happened to each one after its decision.
 
 ``dispatched`` commits a decision (the prefill queue, the decode instance's incoming work, the
-prompt's route in the KV index); ``rebind_decode`` may move the decode when the prefill is done;
-``prefill_done``, ``first_token``, ``tokens``, ``finished``,
-``failed`` and ``cache_feedback`` keep the books true to what the engines did. A mixin of the
-Conductor (routing/conductor.py), which owns the state named below; time is an argument.
+prompt's route in the KV index), ``dispatched_warmup`` a doomed request's warm-up;
+``rebind_decode`` may move the decode when the prefill is done; ``prefill_done``,
+``first_token``, ``tokens``, ``finished``, ``failed`` and ``cache_feedback`` keep the books true
+to what the engines did. A mixin of the Conductor (routing/conductor.py), which owns the state
+named below; time is an argument.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from predictors.output_length import OutputLengthPredictor
 from routing.admission import Admission
 from routing.cache_feedback import CacheFeedback, assess
 from routing.decode_placement import rebind_target
+from routing.doomed_warmup import warmup_request
 from routing.estimates import STORE_SOURCE, cached_tokens
 from routing.fleet_pools import ModelPools
 from routing.instance_books import DecodeWork, InstanceState
 from routing.kv_index import KVIndex
 from routing.policies.base import Policy
-from routing.types import Decision, DecisionStats, RequestInfo
+from routing.types import Decision, DecisionStats, Rejection, RequestInfo
 
 
 @dataclass(slots=True)
@@ -70,13 +72,30 @@ class RequestProgress:
         arrival = work.est_finish_s
         if decode is not prefill:
             arrival += decode.predictors.link.time(req.prompt_tokens)
-        decode.add_incoming(
-            DecodeWork(req.request_id, req.prompt_tokens, decision.predicted_output_tokens, arrival)
-        )
+        if not decision.warmup:  # a warm-up never decodes
+            decode.add_incoming(
+                DecodeWork(
+                    req.request_id, req.prompt_tokens, decision.predicted_output_tokens, arrival
+                )
+            )
         record.routed = self.index.record_route(prefill.id, req.block_hashes, now)
         self.requests[req.request_id] = record
         for hook in self.after_dispatch:
             hook()
+
+    def dispatched_warmup(
+        self, rejection: Rejection, req: RequestInfo, now: float
+    ) -> RequestInfo | None:
+        """Commits the warm-up ``rejection`` carries for ``req`` (routing/doomed_warmup.py) and
+        returns the request to send, whose progress is reported like any request's; None (and
+        nothing booked) when a request with its id is in flight already (a client's own id)."""
+        assert rejection.warmup is not None
+        warm = warmup_request(req, rejection.warmup)
+        if warm.request_id in self.requests:
+            return None
+        self.dispatched(rejection.warmup, warm, now)
+        self.stats.warmups += 1
+        return warm
 
     def rebind_decode(self, request_id: str, now: float) -> str | None:
         """Late decode binding (``routing.decode_rebind``): call when the prefill is done and
@@ -149,7 +168,7 @@ class RequestProgress:
         else taken from the first token on, when ``decode_timed`` (the tokens arrived as
         they were made, streamed: a whole answer says nothing of its TBT)."""
         rec = self._drop(request_id, now)
-        if rec is not None:
+        if rec is not None and not rec.decision.warmup:  # its one token tells nothing
             out = output_tokens if output_tokens is not None else rec.tokens
             if out > 0:
                 self.output_lengths.observe(rec.request.output_key, out)

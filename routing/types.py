@@ -126,6 +126,9 @@ class Decision:
     # as cached there (another request's pull): its prefill starts after they land, or it
     # would recompute what it was predicted to reuse (HotspotPlanner.pulls_into).
     waits_for: tuple[str, ...] = ()
+    # A warm-up: the prompt of a doomed request turned away, prefilled for the requests that
+    # will share its prefix (routing/doomed_warmup.py); no decode leg, its answer is dropped.
+    warmup: bool = False
 
 
 class RejectReason(StrEnum):
@@ -149,6 +152,8 @@ class Rejection:
     limit_s: float | None = None
     priority: str | None = None
     no_capacity: bool = False  # True -> 503 (nothing healthy), else 429
+    # The warm-up of its prompt the caller may dispatch (Conductor.dispatched_warmup).
+    warmup: Decision | None = None
 
     @property
     def http_status(self) -> int:
@@ -165,3 +170,4 @@ class DecisionStats:
     transfers: int = 0
     replications: int = 0
     rebinds: int = 0  # decodes moved when their prefill finished (late decode binding)
+    warmups: int = 0  # doomed requests' prompts warmed (routing/doomed_warmup.py)

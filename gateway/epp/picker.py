@@ -29,6 +29,7 @@ from gateway.answers import (
     rejection_response,
     usable_request_id,
 )
+from gateway.doomed_warmups import DoomedWarmups
 from gateway.learning import DecisionRecord
 from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body
 from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
@@ -106,6 +107,7 @@ class Picker:
             raise ValueError("fallbacks must be >= 0")
         self.gw = gw
         self.fallbacks = fallbacks
+        self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self._endpoints: dict[str, str] = {}  # engine URL -> ip:port
 
     # ------------------------------------------------------------------ the pick
@@ -188,6 +190,8 @@ class Picker:
         decision_s = time.perf_counter() - t0
         gw.metrics.decision.observe(decision_s)
         if isinstance(decision, Rejection):
+            if decision.warmup is not None:  # the gateway sends it itself, not through Envoy
+                self.warmups.start(decision, parsed, path)
             gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
             self._count(parsed, "rejected")
             return Immediate(*rejection_response(decision, rid))

@@ -115,6 +115,9 @@ def base_settings(args: argparse.Namespace) -> Settings:
     if getattr(args, "best_effort", None):
         best_effort = replace(admission.best_effort, enabled=args.best_effort == "on")
         admission = replace(admission, best_effort=best_effort)
+    if getattr(args, "doomed_warmup", None):
+        warmup = replace(admission.doomed_warmup, enabled=args.doomed_warmup == "on")
+        admission = replace(admission, doomed_warmup=warmup)
     if getattr(args, "decode_reservation", None):
         reservation = replace(admission.decode_reservation, enabled=args.decode_reservation == "on")
         admission = replace(admission, decode_reservation=reservation)
@@ -179,6 +182,15 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     return SimOptions(ttft_after_transfer=args.ttft_after_transfer, network=args.network)
 
 
+def with_spec(settings: Settings, spec: RunSpec) -> Settings:
+    """``settings`` running ``spec``'s placement policy and admission mode."""
+    return replace(
+        settings,
+        routing=replace(settings.routing, policy=spec.policy),
+        admission=replace(settings.admission, mode=spec.admission),
+    )
+
+
 def run_one(
     settings: Settings,
     fleet: FleetSpec,
@@ -189,11 +201,7 @@ def run_one(
 ) -> RunResult:
     from replay.sim.simulator import Simulator
 
-    s = replace(
-        settings,
-        routing=replace(settings.routing, policy=spec.policy),
-        admission=replace(settings.admission, mode=spec.admission),
-    )
+    s = with_spec(settings, spec)
     start = time.perf_counter()
     sim = Simulator(s, fleet, trace, options)
     result = sim.run(progress=ProgressBar(spec.label, enabled=not quiet))
@@ -288,6 +296,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         help="admission.best_effort.enabled: serve late, when the fleet is idle enough, a "
         "prompt that misses the TTFT SLO even on an idle instance (default: the config's, on)",
+    )
+    p.add_argument(
+        "--doomed-warmup",
+        choices=["on", "off"],
+        help="admission.doomed_warmup.enabled: prefill, on an idle instance, the prompt of a "
+        "request turned away as too long for the TTFT SLO, for the requests that share its "
+        "prefix (default: the config's, on)",
     )
     p.add_argument(
         "--decode-reservation",

@@ -27,7 +27,7 @@ from replay.sim.fleet import FleetSpec, build_engines, fleet_settings
 from replay.workload.traces import TraceRequest
 from routing.conductor import Conductor
 from routing.hashing import hash_ids_to_blocks
-from routing.types import Decision, ReplicationCommand, RequestInfo
+from routing.types import Decision, Rejection, ReplicationCommand, RequestInfo
 
 
 class _Kind(IntEnum):  # the tie-break order at equal times
@@ -160,6 +160,7 @@ class Simulator:
         # Rejections the decode reservation made that the plain TBT check would have admitted.
         self.result.extra["reserve_turned_away"] = self.conductor.admission.turned_away_by_reserve
         self.result.extra["decode_rebinds"] = self.conductor.stats.rebinds
+        self.result.extra["doomed_warmups"] = self.conductor.stats.warmups
         # The share of the TBT headroom in force at the end, and how often it moved.
         control = self.conductor.admission.headroom_for(None)
         self.result.extra["tbt_headroom_share"] = round(control.share, 3)
@@ -184,6 +185,8 @@ class Simulator:
         decision = self.conductor.schedule(req, now)
         if not isinstance(decision, Decision):
             out.outcome, out.reason = Outcome.REJECTED, decision.reason.value
+            if decision.warmup is not None:
+                self._warm(decision, req, now)
             return
         self.conductor.dispatched(decision, req, now)
         self._requests[rid], self._decisions[rid] = req, decision
@@ -216,6 +219,18 @@ class Simulator:
                 self._held[cid].append(rid)
         else:
             self._submit_prefill(rid, now)
+
+    def _warm(self, rejection: Rejection, req: RequestInfo, now: float) -> None:
+        """A doomed request's warm-up (routing/doomed_warmup.py): its prompt prefilled, one
+        token, no decode; followed like a request, never reported as one."""
+        warm = self.conductor.dispatched_warmup(rejection, req, now)
+        if warm is None:
+            return
+        wid = warm.request_id
+        self._requests[wid], self._decisions[wid] = warm, rejection.warmup  # type: ignore[assignment]
+        self._output[wid] = 1
+        self.outcomes[wid] = RequestOutcome(wid, now, warm.prompt_tokens, 1)
+        self._submit_prefill(wid, now)
 
     def _submit_prefill(self, rid: str, now: float) -> None:
         req, decision = self._requests[rid], self._decisions[rid]

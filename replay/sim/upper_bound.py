@@ -135,14 +135,76 @@ def resource_bound(jobs: Sequence[Job], machines: float) -> int:
     return best
 
 
+def fixed_step_s(timing: StepTiming) -> float:
+    """A decode step's cost before its first sequence (F)."""
+    return timing.overhead_s + timing.a_s
+
+
 def _decode_batch(timing: StepTiming, tbt_slo_s: float, max_batch: int) -> int:
     """Largest batch whose step (without context) fits the TBT SLO; at least 1."""
-    fixed = timing.overhead_s + timing.a_s
+    fixed = fixed_step_s(timing)
     budget = tbt_slo_s - fixed
     if timing.b_s <= 0:
         return max_batch
     fit = int(budget / timing.b_s) if budget > 0 else 1
     return max(1, min(max_batch, fit))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTerms:
+    """One request's decode in the bound's cost model: ``steps`` tokens after the first, over
+    ``context`` tokens of context summed over those steps, each step costing it at least
+    ``floor_w`` (b + k * prompt); ``variable`` is its per-token and context part (b * steps +
+    k * context)."""
+
+    steps: int
+    context: float
+    floor_w: float
+    variable: float
+
+
+def decode_terms(r: TraceRequest, timing: StepTiming) -> DecodeTerms:
+    steps = max(r.output_length - 1, 0)
+    context = r.input_length * steps + steps * (steps + 1) / 2  # summed over its steps
+    return DecodeTerms(
+        steps,
+        context,
+        timing.b_s + timing.k_s * r.input_length,
+        steps * timing.b_s + timing.k_s * context,
+    )
+
+
+@dataclass(slots=True)
+class DecodeSetSums:
+    """Running sums over a set of ``DecodeTerms``; ``cost`` is the least decode machine time
+    the set needs within the mean-TBT SLO tau: its variable parts plus
+    F * (sum m_i sqrt(w_i))^2 / ((tau - F) * sum m_i) of fixed step cost (the module
+    docstring); ``inf`` where no step can meet the SLO (tau <= F) and anything decodes."""
+
+    variable: float = 0.0
+    steps: float = 0.0
+    weighted: float = 0.0  # sum m_i * sqrt(w_i)
+
+    def add(self, t: DecodeTerms) -> None:
+        self.variable += t.variable
+        self.steps += t.steps
+        self.weighted += t.steps * math.sqrt(t.floor_w)
+
+    def cost(self, fixed_s: float, tbt_slo_s: float) -> float:
+        if not self.steps:
+            return self.variable
+        if tbt_slo_s <= fixed_s:
+            return math.inf
+        share = fixed_s * self.weighted * self.weighted / ((tbt_slo_s - fixed_s) * self.steps)
+        return self.variable + share
+
+
+def decode_set_cost(terms: Iterable[DecodeTerms], fixed_s: float, tbt_slo_s: float) -> float:
+    """``DecodeSetSums.cost`` of ``terms``."""
+    sums = DecodeSetSums()
+    for t in terms:
+        sums.add(t)
+    return sums.cost(fixed_s, tbt_slo_s)
 
 
 def decode_share_costs(
@@ -184,7 +246,7 @@ def goodput_bound(
     chunked prefill or conditional disaggregation), so its step's fixed cost is its own."""
     timing = StepTiming.from_profile(profile, overhead_ms)
     batch = _decode_batch(timing, tbt_slo_s, max_batch or profile.max_batch)
-    fixed = timing.overhead_s + timing.a_s
+    fixed = fixed_step_s(timing)
     per_token = (fixed + timing.b_s * max(batch, timing.t0)) / batch
     min_step = fixed + timing.b_s * timing.t0
     own_steps = prefill_alone and not colocated  # colocated engines mix prefill into decode
@@ -199,15 +261,15 @@ def goodput_bound(
             continue
         feasible += 1
         t_first = r.arrival_s + ttft_slo_s
-        end = t_first + max(r.output_length - 1, 0) * tbt_slo_s
-        steps = max(r.output_length - 1, 0)
-        context = r.input_length * steps + steps * (steps + 1) / 2  # summed over its steps
+        terms = decode_terms(r, timing)
+        steps = terms.steps
+        end = t_first + steps * tbt_slo_s
         shared = timing.b_s * n + timing.c_s * n * (cached + n / 2)
         prefill.append(Job(r.arrival_s, t_first, alone if own_steps else shared))
-        decode.append(Job(r.arrival_s, end, steps * per_token + timing.k_s * context))
-        variable.append(steps * timing.b_s + timing.k_s * context)
+        decode.append(Job(r.arrival_s, end, steps * per_token + timing.k_s * terms.context))
+        variable.append(terms.variable)
         steps_of.append(steps)
-        floor_w.append(timing.b_s + timing.k_s * r.input_length)
+        floor_w.append(terms.floor_w)
         kv.append(Job(r.arrival_s, end, (r.input_length + steps / 2) * steps * min_step))
     # The decode cost in its two forms: one job list per form, the smallest count wins.
     forms = [decode] + [
@@ -252,9 +314,14 @@ def fraction_of_bound(goodput_rps: float | None, bound: GoodputBound) -> float |
 
 
 __all__ = [
+    "DecodeSetSums",
+    "DecodeTerms",
     "GoodputBound",
     "Job",
+    "decode_set_cost",
     "decode_share_costs",
+    "decode_terms",
+    "fixed_step_s",
     "fraction_of_bound",
     "goodput_bound",
     "infinite_cache_hits",

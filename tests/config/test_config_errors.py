@@ -116,6 +116,11 @@ def test_min_greater_than_max(write_toml: WriteToml) -> None:
         ('[[slo.priorities]]\nname = "a"\nlevel = 1\nheadroom = 1.5', "slo.priorities[0].headroom"),
         ("[admission.best_effort]\nidle_share = 1.5", "admission.best_effort.idle_share"),
         ("[admission.best_effort]\nmax_decode_load = 1.5", "admission.best_effort.max_decode_load"),
+        ("[admission.doomed_warmup]\nmin_idle = 0", "admission.doomed_warmup.min_idle"),
+        (
+            "[admission.doomed_warmup]\nmax_decode_load = 2",
+            "admission.doomed_warmup.max_decode_load",
+        ),
         ("[admission.decode_reservation]\nfraction = 1", "admission.decode_reservation.fraction"),
         ("[admission.decode_reservation]\nwindow = 0", "admission.decode_reservation.window"),
         (

@@ -15,9 +15,11 @@ from tests.backends.test_drivers import StubEngine
 
 
 @contextlib.asynccontextmanager
-async def _tiny_slo_gateway(best_effort: bool) -> AsyncIterator[tuple[str, list]]:
+async def _tiny_slo_gateway(
+    best_effort: bool, warmup: bool = False, prefill_fails: int | None = None
+) -> AsyncIterator[tuple[str, list]]:
     """A gateway in front of two stub engines with a TTFT SLO nothing can meet; yields its
-    url and the list of requests the engines saw."""
+    url and the list of requests the engines saw (prefill's first)."""
     import uvicorn
 
     from config.loader import settings_from_dict
@@ -25,11 +27,16 @@ async def _tiny_slo_gateway(best_effort: bool) -> AsyncIterator[tuple[str, list]
 
     p, d = StubEngine("prefill"), StubEngine("decode")
     p.partner = d
+    p.fail_with = prefill_fails
     purl, durl = await p.start(), await d.start()
     settings = settings_from_dict(
         {
             "slo": {"ttft_s": 0.0001},  # nothing can meet it
-            "admission": {"mode": "early", "best_effort": {"enabled": best_effort}},
+            "admission": {
+                "mode": "early",
+                "best_effort": {"enabled": best_effort},
+                "doomed_warmup": {"enabled": warmup},
+            },
             "server": {"health_interval_s": 30.0, "refit_interval_s": 0},
             "pools": [
                 {"name": "p", "role": "prefill", "instances": [{"id": "p0", "url": purl}]},

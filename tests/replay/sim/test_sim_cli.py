@@ -184,6 +184,15 @@ def test_decode_reservation_switch(trace: Path, tmp_path: Path) -> None:
     assert runs["on"]["rejected"] > runs["off"]["rejected"]
 
 
+def test_doomed_warmup_switch(trace: Path, tmp_path: Path) -> None:
+    """The same short TTFT SLO with best effort off: the doomed prompts turned away are warmed
+    on idle prefill instances with the switch on (counted in the report), never with it off."""
+    args = ("--best-effort", "off", "--prefill", "2", "--decode", "2", "--ttft-slo", "0.02")
+    runs = _on_and_off(trace, tmp_path, "--doomed-warmup", *args)
+    assert runs["on"]["doomed_warmups"] > 0 and runs["off"]["doomed_warmups"] == 0
+    assert runs["on"]["rejected"] > 0
+
+
 def test_tbt_headroom_and_decode_rebind_switches(tmp_path: Path) -> None:
     """Long prompts onto two decode instances of LLaMA2-70B (2023), whose decode binds: the
     learned headroom falls below 1 and admits more; ``fixed`` keeps it; ``--decode-rebind off``

@@ -205,3 +205,29 @@ def test_a_request_counting_on_another_requests_pull_is_prefilled_after_it_lands
         assert out[rid].cached_tokens == 60 * 512
         assert out[rid].ttft_s == pytest.approx(decisions[rid].predicted_ttft_s, rel=0.1)
         assert out[rid].ttft_s < 0.3
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_a_doomed_requests_warmup_lets_the_next_one_sharing_its_prefix_in(warmup: bool) -> None:
+    p = tuple(range(1, 61))  # 60 blocks: ~1.7 s to prefill cold, against a 1 s TTFT SLO
+    trace = [tr(0, 0.0, (*p, 1000), 2), tr(1, 5.0, (*p, 1001), 2)]
+    s = settings(admission=AdmissionMode.EARLY)
+    adm = replace(
+        s.admission,
+        best_effort=replace(s.admission.best_effort, enabled=False),
+        doomed_warmup=replace(s.admission.doomed_warmup, enabled=warmup),
+    )
+    s = replace(s, slo=SLOSettings(ttft_s=1.0, tbt_s=0.1), admission=adm)
+    sim = Simulator(s, FleetSpec(prefill=2, decode=1, profile=PROFILE), trace)
+    result = sim.run()
+    r0, r1 = result.requests
+    assert r0.outcome is Outcome.REJECTED and r0.reason == "ttft_slo"
+    assert result.extra["doomed_warmups"] == int(warmup)
+    if warmup:  # the warm-up computed the prefix: r1 reuses it and meets the SLO
+        assert r1.outcome is Outcome.COMPLETED and r1.cached_tokens == 60 * 512
+        assert r1.ttft_s is not None and r1.ttft_s < 1.0
+    else:  # doomed in turn
+        assert r1.outcome is Outcome.REJECTED
+    assert len(result.requests) == 2  # the warm-up is not reported as a request
+    assert not sim.conductor.requests
+    assert all(inst.idle for inst in sim.conductor.instances.values())

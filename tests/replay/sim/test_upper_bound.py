@@ -15,13 +15,17 @@ from config.settings import (
     SLOSettings,
 )
 from predictors.profiles import get_profile
+from replay.engine.timing import StepTiming
 from replay.report.report import summarize
 from replay.sim import upper_bound
 from replay.sim.fleet import FleetSpec
 from replay.sim.simulator import Simulator
 from replay.sim.upper_bound import (
+    DecodeTerms,
     Job,
+    decode_set_cost,
     decode_share_costs,
+    decode_terms,
     fraction_of_bound,
     goodput_bound,
     infinite_cache_hits,
@@ -117,6 +121,24 @@ def test_decode_share_costs_are_exact_for_equal_contexts() -> None:
     assert forms[0] == pytest.approx([k * 10 * w, k * 20 * w])
     assert decode_share_costs([10], [w], 0.1, 0.1) == []  # tau <= F: no alpha form
     assert decode_share_costs([0, 0], [w, w], fixed, tau) == []
+
+
+def test_decode_set_cost_keeps_the_contexts_of_the_set() -> None:
+    # m = 1, w = 1 and m = 1, w = 4: F * (1 + 2)^2 / ((tau - F) * 2) = 0.04 * 9 / 0.12 = 3.
+    terms = [DecodeTerms(1, 0.0, 1.0, 0.5), DecodeTerms(1, 0.0, 4.0, 0.25)]
+    assert decode_set_cost(terms, 0.04, 0.1) == pytest.approx(0.75 + 3.0)
+    assert decode_set_cost([], 0.04, 0.1) == 0.0
+    assert decode_set_cost(terms, 0.1, 0.1) == float("inf")  # no step meets tau <= F
+    assert decode_set_cost([DecodeTerms(0, 0.0, 1.0, 0.0)], 0.1, 0.1) == 0.0  # nothing decodes
+
+
+def test_decode_terms_follow_the_step_model() -> None:
+    timing = StepTiming.from_profile(get_profile(PROFILE))
+    t = decode_terms(TraceRequest(0, 0.0, 1000, 11, ()), timing)
+    # 10 steps after the first token, over contexts 1001..1010.
+    assert (t.steps, t.context) == (10, 1000 * 10 + 55)
+    assert t.floor_w == pytest.approx(timing.b_s + timing.k_s * 1000)
+    assert t.variable == pytest.approx(10 * timing.b_s + timing.k_s * t.context)
 
 
 LONG_CONTEXT_PROFILE = "llama2-70b-a100-tp8-2023"  # 44 ms fixed step, 0.34 us per context token
