@@ -1,6 +1,7 @@
 """kvgate in front of one real llama-server (``-np 2 --cache-ram 0``): its metrics are
 understood (running/waiting, the slot layout as KV capacity), a prompt too long for the TTFT SLO
-is served best effort on the idle engine, a prompt longer than the context
+is served best effort on the idle engine (or, with best effort off, refused and its prompt
+warmed in the engine all the same), a prompt longer than the context
 gets the engine's 400 and leaves nothing in the cache view, the engine's cached-token reports
 keep kvgate's hit ratio close to the engine's own, and slot affinity (``id_slot``) keeps a hot
 prefix from evicting the other slot's.
@@ -56,16 +57,24 @@ def llama(llamacpp_install: EngineInstall) -> Iterator[EngineProcess]:
 
 
 def _settings(
-    engine: EngineProcess, slot_affinity: bool = True, ttft_slo_s: float | None = None
+    engine: EngineProcess,
+    slot_affinity: bool = True,
+    ttft_slo_s: float | None = None,
+    best_effort: bool = True,
 ) -> Settings:
     base = Settings()
     inst = InstanceSettings("l0", engine.url, Role.BOTH, engine=EngineKind.LLAMACPP)
     mode = AdmissionMode.NONE if ttft_slo_s is None else AdmissionMode.EARLY
+    admission = replace(
+        base.admission,
+        mode=mode,
+        best_effort=replace(base.admission.best_effort, enabled=best_effort),
+    )
     return replace(
         base,
         slo=base.slo if ttft_slo_s is None else replace(base.slo, ttft_s=ttft_slo_s),
         routing=replace(base.routing, block_size=16, llamacpp_slot_affinity=slot_affinity),
-        admission=replace(base.admission, mode=mode),
+        admission=admission,
         pools=(PoolSettings("llama", Role.BOTH, (inst,)),),
         server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),
     )
@@ -73,9 +82,12 @@ def _settings(
 
 @asynccontextmanager
 async def _gateway(
-    engine: EngineProcess, slot_affinity: bool = True, ttft_slo_s: float | None = None
+    engine: EngineProcess,
+    slot_affinity: bool = True,
+    ttft_slo_s: float | None = None,
+    best_effort: bool = True,
 ) -> AsyncIterator[tuple[GatewayApp, str]]:
-    app = build_app(_settings(engine, slot_affinity, ttft_slo_s))
+    app = build_app(_settings(engine, slot_affinity, ttft_slo_s, best_effort))
     (port,) = free_ports(1, 18350, 18400)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -156,6 +168,39 @@ def test_an_idle_engine_serves_a_prompt_too_long_for_the_slo_best_effort(
     assert headers["x-kvgate-admission"] == "best-effort"
     assert body["usage"]["prompt_tokens"] == 600  # the engine ran the prompt
     assert "kvgate_best_effort_admissions_total 1.0" in metrics
+
+
+def test_a_doomed_request_is_refused_and_its_prompt_warmed_in_the_engine(
+    llama: EngineProcess,
+) -> None:
+    """The same 1 ms TTFT SLO with best effort off: the client hears 429 at once, and the
+    prompt is prefilled on the idle engine all the same (admission.doomed_warmup), so that
+    the next request sharing it finds it in the engine's own cache."""
+    prompt = _ids(8, 600)
+
+    async def run() -> tuple[int, dict[str, Any], str, int, dict[str, Any]]:
+        gateway = _gateway(llama, ttft_slo_s=0.001, best_effort=False)
+        async with gateway as (app, url), aiohttp.ClientSession() as s:
+            status, refused = await _complete(s, url, prompt)
+            for _ in range(200):  # the warm-up runs after the 429, bounded wait
+                async with s.get(url + "/metrics") as r:
+                    metrics = await r.text()
+                if 'kvgate_doomed_warmups_total{outcome="ok"} 1.0' in metrics:
+                    break
+                await asyncio.sleep(0.05)
+            in_flight = len(app.gateway.conductor.requests)
+            # The next request sharing the prompt, straight to the engine (which picks the
+            # slot holding the most similar prompt): what did the warm-up leave cached?
+            body = {"model": "tiny", "prompt": prompt + _ids(9, 20), "max_tokens": 2}
+            async with s.post(llama.url + "/v1/completions", json=body) as r:
+                again = await r.json()
+        return status, refused, metrics, in_flight, again
+
+    status, refused, metrics, in_flight, again = asyncio.run(run())
+    assert status == 429 and refused["error"]["code"] == "ttft_slo"
+    assert 'kvgate_doomed_warmups_total{outcome="ok"} 1.0' in metrics
+    assert in_flight == 0  # the warm-up's books are closed
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 590, again["usage"]
 
 
 def test_a_prompt_longer_than_the_context_leaves_nothing_recorded(llama: EngineProcess) -> None:
