@@ -216,3 +216,27 @@ def test_driver_cancelled_after_the_prefill_still_frees_the_prefill_blocks(
     # when the prefill hears of it is the engines' NIXL path, bounded by the lease (see above).
     wait_for(lambda: completions_served(pd_stack.decode) > served, STALL_S, "decode leg")
     wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, STALL_S, "blocks freed")
+
+
+def test_a_doomed_requests_warmup_caches_its_prompt_on_the_nixl_prefill(pd_stack: PDStack) -> None:
+    """What gateway/doomed_warmups.py sends for a doomed request (its body made plain: one
+    token, not streamed, no P/D fields) is served by the NixlConnector prefill engine
+    (kv_producer) like any request, and caches the prompt there: the next request sharing it
+    finds it in that engine's own prefix cache."""
+    from gateway.doomed_warmups import warmup_body
+
+    messages = [{"role": "user", "content": salted(TEXT)}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 64, "stream": True}
+    before = prompt_tokens_by_source(pd_stack.prefill)
+    answer = post_json(pd_stack.prefill.url + "/v1/chat/completions", warmup_body(body))
+    assert answer["usage"]["completion_tokens"] <= 1
+    assert answer.get("kv_transfer_params") is None  # nothing held for a remote decode
+    prompt = answer["usage"]["prompt_tokens"]
+    warmed = prompt_tokens_by_source(pd_stack.prefill)
+    assert warmed["local_compute"] - before["local_compute"] == prompt  # a cold, salted prompt
+    # The next request sharing the prompt, a real P/D one through kvgate.
+    client = openai.OpenAI(base_url=pd_stack.gateway + "/v1", api_key="unused", max_retries=0)
+    messages.append({"role": "assistant", "content": "ok"})
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    after = prompt_tokens_by_source(pd_stack.prefill)
+    assert after["local_cache_hit"] - warmed["local_cache_hit"] >= prompt - 32, (warmed, after)
