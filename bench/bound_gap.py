@@ -46,19 +46,21 @@ from pathlib import Path
 from typing import Any
 
 from config.errors import KvgateError
+from config.settings import Settings
 from predictors.profiles import get_profile
 from replay.engine.timing import StepTiming
 from replay.report.report import summarize
 from replay.report.results import Outcome, RunResult
 from replay.sim import sim_cli
-from replay.sim.simulator import Simulator
+from replay.sim.fleet import FleetSpec
+from replay.sim.simulator import SimOptions, Simulator
 from replay.sim.upper_bound import (
     DecodeSetSums,
     DecodeTerms,
     decode_set_cost,
     decode_terms,
     fixed_step_s,
-    goodput_bound,
+    fleet_bound,
     infinite_cache_hits,
 )
 from replay.workload.traces import BLOCK_SIZE, TraceRequest
@@ -165,14 +167,15 @@ def classify_rejection(
 
 
 def run_recording(
-    args: argparse.Namespace, spec: sim_cli.RunSpec, trace: list[TraceRequest]
+    settings: Settings,
+    fleet: FleetSpec,
+    trace: list[TraceRequest],
+    spec: sim_cli.RunSpec,
+    options: SimOptions,
 ) -> tuple[RunResult, dict[str, int]]:
     """One simulated run, with the prompt tokens the gateway's index held cached on the best
     instance when it turned each request away."""
-    settings = sim_cli.base_settings(args)
-    fleet = sim_cli.fleet_from(args, settings)
-    s = sim_cli.with_spec(settings, spec)
-    sim = Simulator(s, fleet, trace, sim_cli.sim_options(args))
+    sim = Simulator(sim_cli.with_spec(settings, spec), fleet, trace, options)
     conductor = sim.conductor
     schedule = conductor.schedule
     fleet_hit: dict[str, int] = {}
@@ -201,19 +204,9 @@ def gap_report(args: argparse.Namespace, spec: sim_cli.RunSpec) -> dict[str, Any
         raise ValueError("the selection left fewer than two requests")
     profile = get_profile(fleet.profile)
     ttft_slo, tbt_slo = settings.slo.ttft_s, settings.slo.tbt_s
-    bound = goodput_bound(
-        trace,
-        profile,
-        prefill_instances=fleet.prefill,
-        decode_instances=fleet.decode,
-        colocated=fleet.colocated,
-        ttft_slo_s=ttft_slo,
-        tbt_slo_s=tbt_slo,
-        overhead_ms=settings.predictors.overhead_ms,
-        max_batch=fleet.max_batch,
-        prefill_alone=fleet.chunk_tokens is None,
-    )
-    result, fleet_hit = run_recording(args, spec, trace)
+    local = settings.routing.conditional_disagg  # prefills on decode instances too
+    bound = fleet_bound(trace, fleet, settings, local_prefill=local)
+    result, fleet_hit = run_recording(settings, fleet, trace, spec, sim_cli.sim_options(args))
     timing = StepTiming.from_profile(profile, settings.predictors.overhead_ms)
     fixed = fixed_step_s(timing)
     span = trace[-1].arrival_s - trace[0].arrival_s

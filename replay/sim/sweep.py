@@ -17,9 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from predictors.profiles import get_profile
 from replay.report.progress import ProgressBar
-from replay.sim.upper_bound import fraction_of_bound, goodput_bound
+from replay.sim.upper_bound import fleet_bound, fraction_of_bound
 from replay.workload.traces import TraceError, select
 
 
@@ -71,7 +70,6 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     base = load_workload(replace_speed(args, 1.0))
     if not base:
         raise ValueError("the selection left no requests")
-    profile = get_profile(fleet.profile)
     options = sim_options(args)
     points: list[dict[str, Any]] = []
     bar = ProgressBar("kvgate sim sweep", enabled=not args.quiet)
@@ -82,19 +80,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         trace = select(base, speed=speed)
         for slo in slos:
             s = replace(settings, slo=replace(settings.slo, ttft_s=slo))
-            bound = goodput_bound(
-                trace,
-                profile,
-                # conditional disaggregation may prefill on decode instances, in mixed steps
-                prefill_instances=fleet.prefill + (fleet.decode if any(cd_values) else 0),
-                prefill_alone=fleet.chunk_tokens is None and not any(cd_values),
-                decode_instances=fleet.decode,
-                colocated=fleet.colocated,
-                ttft_slo_s=slo,
-                tbt_slo_s=s.slo.tbt_s,
-                overhead_ms=s.predictors.overhead_ms,
-                max_batch=fleet.max_batch,
-            )
+            bound = fleet_bound(trace, fleet, s, local_prefill=any(cd_values))
             runs = []
             for spec in specs:
                 for cd in cd_values:

@@ -45,8 +45,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from predictors.profiles import EngineProfile
+from config.settings import Settings
+from predictors.profiles import EngineProfile, get_profile
 from replay.engine.timing import StepTiming
+from replay.sim.fleet import FleetSpec
 from replay.workload.traces import BLOCK_SIZE, TraceRequest
 
 ALPHA_QUANTILES = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
@@ -307,6 +309,30 @@ def goodput_bound(
     )
 
 
+def fleet_bound(
+    trace: Sequence[TraceRequest],
+    fleet: FleetSpec,
+    settings: Settings,
+    *,
+    local_prefill: bool = False,
+) -> GoodputBound:
+    """``goodput_bound`` for a simulated fleet under ``settings``' SLOs and step overhead.
+    ``local_prefill``: conditional disaggregation may prefill on the decode instances too, in
+    mixed steps (so prompts then share their step's fixed cost)."""
+    return goodput_bound(
+        trace,
+        get_profile(fleet.profile),
+        prefill_instances=fleet.prefill + (fleet.decode if local_prefill else 0),
+        prefill_alone=fleet.chunk_tokens is None and not local_prefill,
+        decode_instances=fleet.decode,
+        colocated=fleet.colocated,
+        ttft_slo_s=settings.slo.ttft_s,
+        tbt_slo_s=settings.slo.tbt_s,
+        overhead_ms=settings.predictors.overhead_ms,
+        max_batch=fleet.max_batch,
+    )
+
+
 def fraction_of_bound(goodput_rps: float | None, bound: GoodputBound) -> float | None:
     if goodput_rps is None or bound.goodput_rps <= 0:
         return None
@@ -322,6 +348,7 @@ __all__ = [
     "decode_share_costs",
     "decode_terms",
     "fixed_step_s",
+    "fleet_bound",
     "fraction_of_bound",
     "goodput_bound",
     "infinite_cache_hits",
