@@ -200,7 +200,7 @@ class AdminAPI:
         spec: InstanceSettings | None = gw.specs.get(iid)
         gpu, host = gw.conductor.index.blocks_held(iid) if iid in gw.conductor.index else (0, 0)
         load = gw.scraper.latest(iid, now) if gw.scraper is not None else None
-        breaker = gw.breakers.get(iid)
+        breaker = gw.legs.breakers.get(iid)
         probe = inst.predictors.prefill.predict(1024, 0)
         return {
             "id": iid,

@@ -90,11 +90,11 @@ class DoomedWarmups:
             now = gw.clock()
             gw.conductor.first_token(wid, now)
             gw.conductor.finished(wid, now)
-            gw.leg_succeeded(instance)
+            gw.legs.succeeded(instance)
             outcome = "ok"
         except UpstreamError as exc:
             if exc.status is None or exc.status >= 500:  # a 4xx is the request's fault
-                gw.leg_failed(exc.instance_id, exc.kind)
+                gw.legs.failed(exc.instance_id, exc.kind)
             log.info("warm-up %s failed: %s", wid, exc)
         finally:
             if outcome != "ok":

@@ -232,7 +232,7 @@ class CompletionHandler:
                 gw.conductor.failed(rid, gw.clock())
                 record.outcome = "failed"  # this attempt's record; a retry makes its own
                 if exc.status is None or exc.status >= 500:  # a 4xx is the request's fault
-                    gw.leg_failed(exc.instance_id, exc.kind)
+                    gw.legs.failed(exc.instance_id, exc.kind)
                 # Retry elsewhere while nothing reached the client, unless the engine went
                 # silent: the time the client can wait is spent.
                 retryable = exc.status is None and exc.kind is not Failure.SILENT
@@ -302,7 +302,7 @@ class CompletionHandler:
                 upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
         else:
             upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
-        gw.leg_succeeded(d.prefill)
+        gw.legs.succeeded(d.prefill)
         return upstream
 
     async def _relay(
@@ -374,7 +374,7 @@ class CompletionHandler:
             else:
                 record.outcome = "failed"
                 if isinstance(exc, UpstreamError):
-                    gw.leg_failed(exc.instance_id, exc.kind)
+                    gw.legs.failed(exc.instance_id, exc.kind)
                     if may_retry and not start.sent and exc.kind is not Failure.SILENT:
                         return exc
                 self._count(self._upstream_error, parsed.info, "upstream_error")

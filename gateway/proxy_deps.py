@@ -27,6 +27,14 @@ from routing.conductor import Conductor
 from routing.types import Decision
 
 
+class LegOutcomes(Protocol):
+    """Where a leg's outcome goes (gateway/leg_health.py: breakers, ejection, probes)."""
+
+    def failed(self, instance_id: str, kind: Failure = ...) -> None: ...
+
+    def succeeded(self, instance_id: str) -> None: ...
+
+
 @runtime_checkable
 class ProxyGateway(Protocol):
     # the core and its clock
@@ -39,6 +47,7 @@ class ProxyGateway(Protocol):
     driver: ProtocolDriver
     session: aiohttp.ClientSession | None
     tenant_keys: Mapping[str, str]  # API key hash -> tenant (gateway/tenants.py)
+    legs: LegOutcomes  # each leg's outcome: breakers, ejection, probes
     # learning and replication
     learner: Learner
     replicator: Replicator
@@ -58,7 +67,3 @@ class ProxyGateway(Protocol):
     def pin_slot(self, request_id: str, instance_id: str, blocks: Sequence[int]) -> int | None: ...
 
     def unpin_slot(self, request_id: str) -> None: ...
-
-    def leg_failed(self, instance_id: str, kind: Failure = ...) -> None: ...
-
-    def leg_succeeded(self, instance_id: str) -> None: ...

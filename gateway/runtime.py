@@ -6,10 +6,8 @@ checks and circuit breakers, the metrics scraper, KV-event subscribers, the repl
 metrics, tracing and the learner. Settings changes from the admin API are
 validated and applied here. The clock is injectable (monotonic seconds) for tests.
 
-Failures of the engine legs land here too (``leg_failed``): a refused connection ejects the
-instance at once, any other transport failure counts in its circuit breaker and has its
-``/health`` probed at once (an engine killed mid-stream is found in milliseconds, not one
-health interval later). ``silence_timeout`` is how long an engine may send nothing.
+The engine legs report their outcomes to ``legs`` (gateway/leg_health.py: circuit breakers,
+ejection, probes). ``silence_timeout`` is how long an engine may send nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +22,8 @@ from dataclasses import replace
 import aiohttp
 
 from backends.drivers import ProtocolDriver, Target, driver_for
-from backends.health import BreakerConfig, CircuitBreaker, HealthChecker
+from backends.health import HealthChecker
 from backends.http1 import Http1Client
-from backends.legs import Failure
 from backends.llamacpp_slots import SlotBook
 from backends.model_files import make_prompt_encoder
 from backends.predictor_files import predictor_factory
@@ -39,6 +36,7 @@ from gateway.capacity_loop import CapacitySignal
 from gateway.drain import Drain
 from gateway.kv_feeds import KvEventFeeds
 from gateway.learning import Learner
+from gateway.leg_health import LegHealth
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, ServedModels, build_model_routes
 from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
@@ -84,10 +82,10 @@ class Gateway:
         )
         self.targets: dict[str, Target] = {}
         self.specs: dict[str, InstanceSettings] = {}
-        self.breakers: dict[str, CircuitBreaker] = {}
+        # Leg outcomes and probes -> instance health (breakers; the checker set at startup).
+        self.legs = LegHealth(self.conductor, self.metrics, clock)
         self.session: aiohttp.ClientSession | None = None  # health checks and scrapes
         self.client = Http1Client()  # the engine legs (pooled keep-alive connections)
-        self.health: HealthChecker | None = None
         self.scraper: MetricsScraper | None = None
         self.kv_feeds = KvEventFeeds(
             self.conductor,
@@ -138,8 +136,7 @@ class Gateway:
         self.targets[spec.id] = Target(
             spec.id, spec.url.rstrip("/"), spec.bootstrap_port, spec.kv_connector
         )
-        self.breakers[spec.id] = CircuitBreaker(BreakerConfig())
-        self.metrics.healthy.labels(spec.id).set(1)
+        self.legs.add(spec.id)
 
     def _make_driver(self) -> ProtocolDriver:
         specs = list(self.specs.values())
@@ -176,8 +173,7 @@ class Gateway:
         affected = self.conductor.remove_instance(instance_id, self.clock())
         self.specs.pop(instance_id, None)
         self.targets.pop(instance_id, None)
-        self.breakers.pop(instance_id, None)
-        self.metrics.healthy.labels(instance_id).set(0)
+        self.legs.remove(instance_id)
         self.kv_feeds.remove(instance_id)
         self.slot_book.forget(instance_id)
         self.settings = replace(
@@ -192,8 +188,8 @@ class Gateway:
         return affected
 
     def _refresh_background_targets(self) -> None:
-        if self.health is not None:
-            self.health.set_targets(self._http_targets())
+        if self.legs.checker is not None:
+            self.legs.checker.set_targets(self._http_targets())
         if self.scraper is not None:
             self.scraper.set_targets(self._http_targets(), self._engine_kinds())
 
@@ -201,9 +197,9 @@ class Gateway:
         """Swap SLOs, policy, admission, replication, timeouts live (already validated)."""
         self.conductor.apply_settings(settings)
         self.settings = settings
-        if self.health is not None:
+        if self.legs.checker is not None:
             srv = settings.server
-            self.health.set_timing(srv.health_interval_s, srv.health_timeout_s)
+            self.legs.checker.set_timing(srv.health_interval_s, srv.health_timeout_s)
 
     def parse(
         self, path: str, raw: bytes, headers: Mapping[str, str], request_id: str
@@ -251,36 +247,7 @@ class Gateway:
         )
         return min(max(t, srv.silence_min_s), srv.silence_max_s) + generation
 
-    # ------------------------------------------------------------------ health
-    def on_health_change(self, instance_id: str, healthy: bool) -> None:
-        if instance_id not in self.conductor.instances:
-            return
-        log.info("instance %s is now %s", instance_id, "healthy" if healthy else "unhealthy")
-        self.conductor.set_health(instance_id, healthy)
-        self.metrics.healthy.labels(instance_id).set(1 if healthy else 0)
-        if healthy:
-            self.breakers[instance_id] = CircuitBreaker(BreakerConfig())
-
-    def leg_failed(self, instance_id: str, kind: Failure = Failure.CONNECT) -> None:
-        """A leg failed: count it; an open breaker ejects the instance until the health
-        checker sees it answer again. A refused connection opens the breaker at once (nothing
-        listens: the engine is down); a broken or silent answer has the engine probed now."""
-        breaker = self.breakers.get(instance_id)
-        self.metrics.upstream_errors.labels(instance_id).inc()
-        if breaker is None:
-            return
-        now = self.clock()
-        if kind is Failure.REFUSED:
-            breaker.trip(now)
-        else:
-            breaker.record_failure(now)
-        if not breaker.allow(now):
-            self.on_health_change(instance_id, False)
-            if self.health is not None:
-                self.health.mark_unhealthy(instance_id)
-        elif kind is not Failure.HTTP and self.health is not None:
-            self.health.probe_now(instance_id)  # a killed engine refuses the probe: ejected
-
+    # ------------------------------------------------------------------ llama.cpp slots
     def pin_slot(self, request_id: str, instance_id: str, blocks: Sequence[int]) -> int | None:
         """The llama.cpp slot a request to ``instance_id`` waits for (None: the engine picks);
         the prefix it overwrites leaves the cache view at once."""
@@ -296,14 +263,6 @@ class Gateway:
     def unpin_slot(self, request_id: str) -> None:
         self.slot_book.release(request_id, self.clock())
 
-    def leg_succeeded(self, instance_id: str) -> None:
-        breaker = self.breakers.get(instance_id)
-        now = self.clock()
-        if breaker is not None:
-            breaker.record_success(now)
-        if self.health is not None:
-            self.health.mark_alive(instance_id, now)
-
     # ------------------------------------------------------------------ replication
     def _engine_block_tokens(self, instance_id: str) -> int | None:
         """The engine's KV block size as its /metrics state it (vLLM, SGLang); None if unknown."""
@@ -316,12 +275,12 @@ class Gateway:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         await self.replicator.start(self.session)
         srv = self.settings.server
-        self.health = HealthChecker(
+        health = self.legs.checker = HealthChecker(
             self.session,
             self._http_targets(),
             interval_s=srv.health_interval_s,
             timeout_s=srv.health_timeout_s,
-            on_change=self.on_health_change,
+            on_change=self.legs.changed,
             clock=self.clock,
         )
         self.scraper = MetricsScraper(
@@ -332,7 +291,7 @@ class Gateway:
             clock=self.clock,
             engines=self._engine_kinds(),
         )
-        self._tasks.append(asyncio.create_task(self.health.run(self._stop)))
+        self._tasks.append(asyncio.create_task(health.run(self._stop)))
         self._tasks.append(asyncio.create_task(self._scrape_loop()))
         if srv.refit_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._refit_loop()))
@@ -395,8 +354,8 @@ class Gateway:
 
     async def shutdown(self) -> None:
         self._stop.set()
-        if self.health is not None:
-            self.health.cancel_probes()
+        if self.legs.checker is not None:
+            self.legs.checker.cancel_probes()
         self.kv_feeds.close()
         if self.replicas is not None:
             self.replicas.close()

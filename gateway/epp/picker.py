@@ -223,7 +223,7 @@ class Picker:
         f.status, f.served = status, served
         if served and served != f.endpoints[0]:
             self.gw.metrics.retries.inc()
-            self.gw.leg_failed(f.decision.prefill, Failure.CONNECT)
+            self.gw.legs.failed(f.decision.prefill, Failure.CONNECT)
 
     def chunk(self, f: Flight, data: bytes) -> None:
         """One body chunk of the answer as Envoy passes it on."""
@@ -271,7 +271,7 @@ class Picker:
         gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
         gw.conductor.finished(rid, now, output_tokens=tokens or None, decode_timed=f.parsed.stream)
         if f.served in (None, f.endpoints[0]):
-            gw.leg_succeeded(d.prefill)
+            gw.legs.succeeded(d.prefill)
         f.record.outcome = "completed"
         self._count(f.parsed, "completed")
         self._learn(f)
@@ -287,7 +287,7 @@ class Picker:
         f.record.outcome = "failed" if outcome == "upstream_error" else outcome
         if outcome == "upstream_error" and (f.status == 0 or f.status >= 500):
             kind = Failure.HTTP if f.status else Failure.CONNECT
-            gw.leg_failed(f.decision.prefill, kind)
+            gw.legs.failed(f.decision.prefill, kind)
         self._count(f.parsed, outcome)
         self._close(f)
 

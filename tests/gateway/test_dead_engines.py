@@ -90,7 +90,7 @@ def test_a_refused_engine_is_ejected_by_one_request_and_keeps_nothing_cached() -
             async with _gateway(settings) as (app, url):
                 gw = app.gateway
                 for _ in range(300):  # the first probe round has seen both answer
-                    if gw.health.healthy("dead") and gw.health.healthy("live"):
+                    if gw.legs.checker.healthy("dead") and gw.legs.checker.healthy("live"):
                         break
                     await asyncio.sleep(0.01)
                 await dead.close()  # nothing listens on its port any more: refused
@@ -105,8 +105,8 @@ def test_a_refused_engine_is_ejected_by_one_request_and_keeps_nothing_cached() -
                     "first": first,
                     "ejected": not dead_state.healthy,
                     "ejected_after_s": ejected_after,
-                    "breaker": gw.breakers["dead"].state_at(gw.clock()),
-                    "checker": gw.health.healthy("dead"),
+                    "breaker": gw.legs.breakers["dead"].state_at(gw.clock()),
+                    "checker": gw.legs.checker.healthy("dead"),
                     "cached_on_dead": gw.conductor.index.blocks_held("dead"),
                     "outcomes": sorted(r.outcome for r in gw.learner.decisions),
                     "books": (len(gw.conductor.requests), gw.drain.active),
@@ -195,7 +195,7 @@ def test_a_silent_engine_is_aborted_after_the_silence_timeout() -> None:
                     "status": status,
                     "answer": answer,
                     "took": took,
-                    "breaker_failures": gw.breakers["silent"].recent_failures(now),
+                    "breaker_failures": gw.legs.breakers["silent"].recent_failures(now),
                     "outcomes": [r.outcome for r in gw.learner.decisions],
                     "books": (len(gw.conductor.requests), gw.drain.active),
                 }
@@ -303,7 +303,7 @@ def test_an_engine_killed_mid_stream_is_ejected_at_once_not_a_health_interval_la
             async with _gateway(settings) as (app, url), aiohttp.ClientSession() as s:
                 gw = app.gateway
                 for _ in range(300):
-                    if gw.health.healthy("doomed") and gw.health.healthy("spare"):
+                    if gw.legs.checker.healthy("doomed") and gw.legs.checker.healthy("spare"):
                         break
                     await asyncio.sleep(0.01)
                 body = {"prompt": "doomed " * 40, "max_tokens": 500, "stream": True}

@@ -165,9 +165,9 @@ def test_503_when_no_instance_is_healthy() -> None:
         try:
             # as a tripped breaker does: the checker, too, must see several good probes before
             # it reports p0 healthy again (else its first probe could re-admit it mid-test)
-            stack.gateway.on_health_change("p0", False)
-            assert stack.gateway.health is not None
-            stack.gateway.health.mark_unhealthy("p0")
+            stack.gateway.legs.changed("p0", False)
+            assert stack.gateway.legs.checker is not None
+            stack.gateway.legs.checker.mark_unhealthy("p0")
             async with (
                 aiohttp.ClientSession() as s,
                 s.post(stack.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r,

@@ -79,7 +79,7 @@ def test_a_valid_file_is_applied_live(setup) -> None:
     assert set(gw.conductor.instances) == {"w1", "w2"}
     assert gw.conductor.settings.slo.ttft_s == 2.5 and gw.settings.slo.ttft_s == 2.5
     assert gw.settings.server.silence_min_s == 12.0
-    assert gw.health is not None and gw.health.timeout_s == 7.0
+    assert gw.legs.checker is not None and gw.legs.checker.timeout_s == 7.0
     assert gw.settings.routing.block_size == 16  # the running key space stays
     assert [i.id for i in gw.settings.instances()] == ["w1", "w2"]
     # A changed instance (same id, another URL) is replaced.
