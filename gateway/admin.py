@@ -255,6 +255,7 @@ class AdminAPI:
                     m or "": round(t.share, 3) for m, t in c.admission.tbt_headroom.items()
                 },
                 "decode_rebinds": c.stats.rebinds,
+                "decode_tbt_moves": c.stats.tbt_moves,  # routing/decode_placement.py tbt_fallback
                 "cache_view_blocks": len(c.index),
                 "instances": [self._instance_view(iid) for iid in c.instances],
             }

@@ -192,6 +192,24 @@ class Admission:
         plain_fails = tbt_s * self.settings.tbt_margin > slo.tbt_limit_s
         return slo.tbt_limit_s * (1.0 - reservation.reserve(req.prompt_tokens, plain_fails, False))
 
+    def tbt_passes(self, req: RequestInfo, slo: EffectiveSLO, tbt_s: float) -> bool:
+        """Whether ``check`` would let ``req``'s decode in at ``tbt_s`` (always outside the
+        SLO modes); nothing is counted."""
+        if self.settings.mode not in SLO_MODES:
+            return True
+        return tbt_s * self.settings.tbt_margin <= self.tbt_limit_s(req, slo, tbt_s)
+
+    def may_move_decode(self, req: RequestInfo) -> bool:
+        """Whether a decode that fails the TBT check on its planned instance may go to another
+        that passes it: only a prompt the decode reservation never grades (at or below its
+        ``from_quantile`` rank), which fails on a planned instance by accident of placement;
+        a longer one failing is the marginal, costly admission the reservation is for."""
+        s = self.settings.decode_reservation
+        reservation = self.reservations.get(req.model)
+        if not s.enabled or reservation is None:
+            return True
+        return reservation.prompts.rank(req.prompt_tokens) <= s.from_quantile
+
     def tbt_floor_s(self, slo: EffectiveSLO) -> float:
         """The TBT at or below which no admission decision turns on its exact value."""
         return slo.tbt_limit_s * self._floor_share

@@ -30,7 +30,7 @@ from routing.admission import (
 from routing.best_effort import serve_best_effort
 from routing.cache_view_events import CacheViewEvents
 from routing.conditional_disagg import local_prefill
-from routing.decode_placement import place_decode
+from routing.decode_placement import place_decode, tbt_fallback
 from routing.doomed_warmup import plan_warmup
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
 from routing.fleet_pools import FleetPools, ModelPools
@@ -258,6 +258,15 @@ class Conductor(RequestProgress, CacheViewEvents):
         )
         if decode is None:
             return self._reject_capacity(req, slo, option)
+        moved = None
+        if (
+            decode is not prefill
+            and not self.admission.tbt_passes(req, slo, tbt_check)
+            and self.admission.may_move_decode(req)
+        ):
+            moved = tbt_fallback(ctx, decode, lambda t: self.admission.tbt_passes(req, slo, t))
+            if moved is not None:
+                decode, tbt_now, tbt_check, retry_s = moved
         if routing.conditional_disagg and decode is not prefill:
             option = local_prefill(req, decode, option, slo, now) or option
             prefill = option.instance
@@ -283,6 +292,7 @@ class Conductor(RequestProgress, CacheViewEvents):
         self.stats.replications += len(replications)
         self.stats.decisions += 1
         self.stats.best_effort += late
+        self.stats.tbt_moves += moved is not None
         return Decision(
             request_id=req.request_id,
             prefill=prefill.id,

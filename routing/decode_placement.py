@@ -12,7 +12,7 @@ predictive admission asks whether any instance is forecast to take the request t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 
 from config.settings import AdmissionMode, DecodePlacement
@@ -129,6 +129,43 @@ def predictive_tbt(
         if other < fc:
             fc = other
     return fc if fc > tbt_now else tbt_now
+
+
+def tbt_fallback(
+    ctx: PlacementContext, planned: InstanceState, passes: Callable[[float], bool]
+) -> tuple[InstanceState, float, float, float] | None:
+    """The decode instance to use instead of ``planned`` when the TBT check failed there:
+    of the others with room whose TBT today with the request passes (``passes``), the one
+    with the lowest committed load; returned as ``place_decode`` returns. None: there is
+    none (the rejection stands).
+
+    Placement by the lowest committed TBT balances where decodes will be, but the instance
+    committed least can be today's busiest: a short prompt turned away there is an accident
+    of placement, not a full decode pool. The caller asks only for prompts the decode
+    reservation does not grade (``Admission.may_move_decode``): moving the long ones, the
+    marginal and costly admissions at decode overload, cost up to 4 % goodput on the
+    decode-bound conversation 2023 points. The check here is today's TBT in both admission
+    modes: with late binding the decode is placed again when the prefill is done if the
+    instance can no longer take it, and checking the forecast instead gained less (both in
+    docs/experiments.md §2.3, "When the planned decode instance fails the TBT check").
+    """
+    req = ctx.request
+    need = req.prompt_tokens + ctx.predicted_output
+    best: tuple[float, int] | None = None
+    found: tuple[InstanceState, float] | None = None
+    for x in ctx.decode_candidates:
+        if x is planned or not x.takes_decode(need):
+            continue
+        tbt = x.tbt_now(1, req.prompt_tokens)
+        if not passes(tbt):
+            continue
+        key = (x.committed_key, x.bit_order)
+        if best is None or key < best:
+            best, found = key, (x, tbt)
+    if found is None:
+        return None
+    x, tbt = found
+    return x, tbt, tbt, retry_hint(x, ctx.now)
 
 
 def rebind_target(

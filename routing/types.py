@@ -170,4 +170,5 @@ class DecisionStats:
     transfers: int = 0
     replications: int = 0
     rebinds: int = 0  # decodes moved when their prefill finished (late decode binding)
+    tbt_moves: int = 0  # admitted off the planned decode instance, whose TBT check failed
     warmups: int = 0  # doomed requests' prompts warmed (routing/doomed_warmup.py)

@@ -160,6 +160,7 @@ class Simulator:
         # Rejections the decode reservation made that the plain TBT check would have admitted.
         self.result.extra["reserve_turned_away"] = self.conductor.admission.turned_away_by_reserve
         self.result.extra["decode_rebinds"] = self.conductor.stats.rebinds
+        self.result.extra["decode_tbt_moves"] = self.conductor.stats.tbt_moves
         self.result.extra["doomed_warmups"] = self.conductor.stats.warmups
         # The share of the TBT headroom in force at the end, and how often it moved.
         control = self.conductor.admission.headroom_for(None)

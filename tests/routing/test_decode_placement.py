@@ -1,6 +1,7 @@
-"""Predictive admission's decode check (routing/decode_placement.py ``predictive_tbt``): the
-forecast for when the request reaches decode, never below today's load on any instance, and
-with late decode binding the best such check in the pool. Real Conductor, real predictors."""
+"""Admission's decode check (routing/decode_placement.py): predictive's forecast for when the
+request reaches decode (``predictive_tbt``), never below today's load on any instance, with late
+decode binding the best such check in the pool; and, when the planned instance fails the check,
+the instance of the pool that passes it (``tbt_fallback``). Real Conductor, real predictors."""
 
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ def test_predictive_with_late_binding_asks_whether_any_decode_instance_will_take
 ) -> None:
     # d0, the committed-load choice, has 128 long requests landing before this one does; d1
     # has 130 on their way too, but they land long after it. Decided again at prefill
-    # completion (late binding), the decode can go to d1, so predictive admits; bound up
-    # front to d0 (late binding off, or SGLang's P/D, whose decode leg leaves with the
-    # prefill's), it rejects. A d1 whose load runs today and is predicted to finish first
-    # would not do: no instance's check goes below its own today's TBT.
+    # completion (late binding), the decode can go to d1, so predictive admits on d0's plan;
+    # bound up front (late binding off, or SGLang's P/D, whose decode leg leaves with the
+    # prefill's), the check fails on d0 and passes on d1, so the decode goes to d1
+    # (``tbt_fallback``). A d1 whose load runs today and is predicted to finish first would
+    # not do: no instance's check goes below its own today's TBT.
     from routing.instance_books import DecodeWork
 
     settings = fleet_settings(
@@ -94,11 +96,10 @@ def test_predictive_with_late_binding_asks_whether_any_decode_instance_will_take
         d1.add_incoming(DecodeWork(f"later{i}", 3000, 1, 100.0))
     assert d0.committed_key < d1.committed_key  # d0 is the planned one
     out = decide(c, "r", prompt(5, 64))
-    if rebind and protocol is PDProtocol.VLLM:
-        assert isinstance(out, Decision) and out.decode == "d0", out
-    else:
-        assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
-        assert out.predicted_tbt_s > 0.02
+    assert isinstance(out, Decision), out
+    # Decided again at prefill completion, d0 stays the plan; bound up front, the failing
+    # check on d0 moves the decode to d1 before admission would turn the request away.
+    assert out.decode == ("d0" if rebind and protocol is PDProtocol.VLLM else "d1")
 
 
 def test_predictive_takes_no_departure_credit_on_the_other_decode_instances_either() -> None:
@@ -118,3 +119,74 @@ def test_predictive_takes_no_departure_credit_on_the_other_decode_instances_eith
     assert d1.forecast(at, 0.0, 1024).tbt_s < 0.018 < d1.tbt_now(1, 1024)
     out = decide(c, "r", prompt(5, 64))
     assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
+
+
+def _busy_today_light_committed(mode: AdmissionMode) -> Conductor:
+    """d0: 100 long sequences running today; d1: none running, 130 dispatched to it that
+    land at 100 s. d0 has the lower committed load, d1 the lighter batch today."""
+    from routing.instance_books import DecodeWork
+
+    slo = SLOSettings(ttft_s=30.0, tbt_s=0.02)
+    c = make_conductor(prefill=1, decode=2, admission=mode, slo=slo)
+    d0, d1 = c.instances["d0"], c.instances["d1"]
+    for i in range(130):
+        if i < 100:
+            d0.add_incoming(DecodeWork(f"run{i}", 3000, 10, 0.0))
+            d0.start_decode(f"run{i}", 0.0)
+        d1.add_incoming(DecodeWork(f"later{i}", 3000, 10, 100.0))
+    return c
+
+
+@pytest.mark.parametrize("mode", [AdmissionMode.EARLY, AdmissionMode.PREDICTIVE])
+def test_a_failing_check_on_the_planned_instance_moves_the_decode_to_one_that_passes(
+    mode: AdmissionMode,
+) -> None:
+    # Placement by committed load plans d0, whose batch today is too slow for the request;
+    # d1's is not (today's TBT, in both modes: a late rebind guards the rest).
+    c = _busy_today_light_committed(mode)
+    d0, d1 = c.instances["d0"], c.instances["d1"]
+    tokens = 16 * 64
+    assert d0.committed_key < d1.committed_key
+    assert d1.tbt_now(1, tokens) < 0.018 < d0.tbt_now(1, tokens)
+    out = decide(c, "r", prompt(5, 64))
+    assert isinstance(out, Decision), out
+    assert out.decode == "d1"
+    assert out.predicted_tbt_s == pytest.approx(d1.tbt_now(1, tokens))
+    assert c.stats.tbt_moves == 1
+
+
+def test_no_decode_instance_passes_so_the_rejection_names_the_planned_one() -> None:
+    c = _busy_today_light_committed(AdmissionMode.EARLY)
+    d1 = c.instances["d1"]
+    from routing.instance_books import DecodeWork
+
+    for i in range(100):  # d1 as slow as d0 today
+        d1.add_incoming(DecodeWork(f"now{i}", 3000, 1000, 0.0))
+        d1.start_decode(f"now{i}", 0.0)
+    out = decide(c, "r", prompt(5, 64))
+    assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
+    assert out.predicted_tbt_s == pytest.approx(c.instances["d0"].tbt_now(1, 16 * 64))
+
+
+def test_a_long_prompt_failing_on_the_planned_instance_is_not_moved() -> None:
+    # The decode reservation grades prompts above its ``from_quantile`` rank: at overload
+    # those are the costly admissions it holds room against, and moving them to wherever
+    # today's batch is light cost up to 4 % goodput on the decode-bound conversation 2023
+    # points. Only prompts it never grades move.
+    from routing.admission import _for_model
+    from routing.decode_reservation import DecodeReservation
+
+    c = _busy_today_light_committed(AdmissionMode.EARLY)
+    admission = c.admission
+    reservation = _for_model(
+        admission.reservations,
+        None,
+        DecodeReservation,
+        admission.settings.decode_reservation,
+    )
+    for _ in range(20):  # recent prompts all shorter than this one
+        reservation.record(16 * 8, True)
+    out = decide(c, "r", prompt(5, 64))
+    assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
+    short = decide(c, "s", prompt(6, 4))  # as short as the recent ones: moved
+    assert isinstance(short, Decision) and short.decode == "d1", short
