@@ -89,6 +89,12 @@ class GatewayMetrics:
             "Decodes moved when their prefill finished, since start (routing.decode_rebind)",
             registry=r,
         )
+        self.decode_tbt_moves = Gauge(
+            "kvgate_decode_tbt_moves",
+            "Requests admitted on another decode instance than planned, whose TBT check failed,"
+            " since start (routing/decode_placement.py tbt_fallback)",
+            registry=r,
+        )
         self.healthy = Gauge(
             "kvgate_instance_healthy", "1 if the instance takes traffic", ["instance"], registry=r
         )

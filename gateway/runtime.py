@@ -338,6 +338,7 @@ class Gateway:
         for model, control in self.conductor.admission.tbt_headroom.items():
             self.metrics.tbt_headroom_share.labels(model or "").set(control.share)
         self.metrics.decode_rebinds.set(self.conductor.stats.rebinds)
+        self.metrics.decode_tbt_moves.set(self.conductor.stats.tbt_moves)
         self.capacity.update(now)
 
     async def _refit_loop(self) -> None:

@@ -160,7 +160,7 @@ def test_a_pool_that_leaves_the_configuration_leaves_the_metrics() -> None:
     assert _gauge(gw, "kvgate_pool_instances", "dec") == 2
 
 
-def test_the_learned_tbt_headroom_and_rebinds_are_published() -> None:
+def test_the_learned_tbt_headroom_rebinds_and_tbt_moves_are_published() -> None:
     clock = _Clock()
     gw = _gateway(clock)
     settings = replace(gw.settings.admission, mode=AdmissionMode.PREDICTIVE)
@@ -168,7 +168,9 @@ def test_the_learned_tbt_headroom_and_rebinds_are_published() -> None:
     for _ in range(settings.tbt_headroom.window):  # a window of decodes, none missed
         gw.conductor.admission.observe_decode(None, False)
     gw.conductor.stats.rebinds = 3
+    gw.conductor.stats.tbt_moves = 5
     gw._publish_gauges()
     share = gw.metrics.registry.get_sample_value("kvgate_tbt_headroom_share", {"model": ""})
     assert share == pytest.approx(0.9)
     assert gw.metrics.registry.get_sample_value("kvgate_decode_rebinds") == 3
+    assert gw.metrics.registry.get_sample_value("kvgate_decode_tbt_moves") == 5
