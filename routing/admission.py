@@ -195,9 +195,17 @@ class Admission:
     def tbt_passes(self, req: RequestInfo, slo: EffectiveSLO, tbt_s: float) -> bool:
         """Whether ``check`` would let ``req``'s decode in at ``tbt_s`` (always outside the
         SLO modes); nothing is counted."""
-        if self.settings.mode not in SLO_MODES:
+        s = self.settings
+        if s.mode not in SLO_MODES:
             return True
-        return tbt_s * self.settings.tbt_margin <= self.tbt_limit_s(req, slo, tbt_s)
+        tbt, limit = tbt_s * s.tbt_margin, slo.tbt_limit_s
+        # The reservation takes at most ``fraction`` of the limit: decide without it when it
+        # cannot matter (this runs for every decision; ranking the prompt costs ~5 % of one).
+        if tbt > limit:
+            return False
+        if not s.decode_reservation.enabled or tbt <= limit * (1.0 - s.decode_reservation.fraction):
+            return True
+        return tbt <= self.tbt_limit_s(req, slo, tbt_s)
 
     def may_move_decode(self, req: RequestInfo) -> bool:
         """Whether a decode that fails the TBT check on its planned instance may go to another
