@@ -80,6 +80,21 @@ class DoomedWarmupSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeQueueSettings:
+    """A request turned away on its TBT check waits at the gateway for decode room, up to
+    ``max_wait_share`` of its TTFT SLO and at most ``max_wait_s``; each finished decode
+    admits the parked request with the shortest prompt that now passes both checks (within
+    the TTFT budget it has left), of the ``tries`` shortest. routing/decode_queue.py;
+    measured in docs/experiments.md §2.3."""
+
+    enabled: bool = True
+    max_wait_share: float = 0.9
+    max_wait_s: float = 30.0
+    max_parked: int = 1024
+    tries: int = 8
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeReservationSettings:
     """Under decode overload, keep the last ``fraction`` of the TBT limit for shorter prompts
     (trunk reservation; routing/decode_reservation.py; measured in docs/experiments.md §2.3)."""
@@ -124,6 +139,7 @@ class AdmissionSettings:
     best_effort: BestEffortSettings = field(default_factory=BestEffortSettings)
     doomed_warmup: DoomedWarmupSettings = field(default_factory=DoomedWarmupSettings)
     decode_reservation: DecodeReservationSettings = field(default_factory=DecodeReservationSettings)
+    decode_queue: DecodeQueueSettings = field(default_factory=DecodeQueueSettings)
     tbt_headroom: TBTHeadroomSettings = field(default_factory=TBTHeadroomSettings)
     # Predictions are multiplied by these before the SLO comparison (>1 = conservative).
     ttft_margin: float = 1.0

@@ -120,6 +120,10 @@ def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     c.between("admission.best_effort.idle_share", b.idle_share, 0.0, 1.0)
     c.between("admission.best_effort.max_decode_load", b.max_decode_load, 0.0, 1.0)
     c.at_least("admission.doomed_warmup.min_idle", a.doomed_warmup.min_idle, 1)
+    c.between("admission.decode_queue.max_wait_share", a.decode_queue.max_wait_share, 0, 1)
+    c.at_least("admission.decode_queue.max_wait_s", a.decode_queue.max_wait_s, 0)
+    c.at_least("admission.decode_queue.max_parked", a.decode_queue.max_parked, 0)
+    c.at_least("admission.decode_queue.tries", a.decode_queue.tries, 1)
     c.between("admission.doomed_warmup.max_decode_load", a.doomed_warmup.max_decode_load, 0, 1)
     r = a.decode_reservation
     key = "admission.decode_reservation."

@@ -256,6 +256,12 @@ class AdminAPI:
                 },
                 "decode_rebinds": c.stats.rebinds,
                 "decode_tbt_moves": c.stats.tbt_moves,  # routing/decode_placement.py tbt_fallback
+                "decode_queue": {  # routing/decode_queue.py
+                    "waiting": len(c.decode_queue),
+                    "parked": c.decode_queue.parked,
+                    "admitted": c.decode_queue.admitted,
+                    "expired": c.decode_queue.expired,
+                },
                 "cache_view_blocks": len(c.index),
                 "instances": [self._instance_view(iid) for iid in c.instances],
             }

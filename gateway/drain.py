@@ -51,6 +51,7 @@ class Drain:
         self.aborted: set[str] = set()  # request ids whose answers the drain cut
         # Made only while a drain waits (no Event.set/clear per request on the hot path).
         self._idle: asyncio.Future[None] | None = None
+        self.on_begin: list[Callable[[], object]] = []  # run when a drain begins
 
     # ------------------------------------------------------------------ requests
     @property
@@ -96,6 +97,8 @@ class Drain:
             return False
         self.draining = True
         self._deadline = self._clock() + timeout_s
+        for hook in self.on_begin:  # e.g. requests waiting for decode room hear their answer
+            hook()
         return True
 
     def abort_all(self) -> int:

@@ -89,6 +89,13 @@ class GatewayMetrics:
             "Decodes moved when their prefill finished, since start (routing.decode_rebind)",
             registry=r,
         )
+        self.decode_queue = Gauge(
+            "kvgate_decode_queue",
+            "Requests turned away on the TBT check that wait for decode room: waiting now, and"
+            " admitted or expired since start (admission.decode_queue)",
+            ["state"],
+            registry=r,
+        )
         self.decode_tbt_moves = Gauge(
             "kvgate_decode_tbt_moves",
             "Requests admitted on another decode instance than planned, whose TBT check failed,"

@@ -61,7 +61,7 @@ from gateway.relay import (
     usage_tokens,
 )
 from gateway.tenants import Refusal, TenantGate
-from routing.types import Decision, Rejection, RequestInfo
+from routing.types import Decision, Rejection, RejectReason, RequestInfo
 
 
 class CompletionHandler:
@@ -212,6 +212,9 @@ class CompletionHandler:
                 self._count(self._upstream_error, parsed.info, "upstream_error")
                 await send_upstream_error(send, last_error, rid)
                 return
+            if isinstance(decision, Rejection) and decision.reason is RejectReason.TBT_SLO:
+                # It may wait for decode room (gateway/decode_waits.py) instead of a 429 now.
+                decision = await gw.decode_waits.wait(decision, parsed.info, self.tenants.screen)
             if isinstance(decision, Rejection):
                 if decision.warmup is not None:  # booked now, on the view that chose it
                     self.warmups.start(decision, parsed, path)

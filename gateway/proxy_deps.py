@@ -24,7 +24,19 @@ from gateway.openai import ParsedRequest, RequestHead
 from gateway.replicator import Replicator
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
-from routing.types import Decision
+from routing.types import Decision, Rejection, RequestInfo
+
+
+class DecodeWaitsLike(Protocol):
+    """Where a request turned away on its TBT check waits for decode room
+    (gateway/decode_waits.py)."""
+
+    async def wait(
+        self,
+        rejection: Rejection,
+        req: RequestInfo,
+        screen: Callable[[Decision, RequestInfo, float], Decision | Rejection] | None = None,
+    ) -> Decision | Rejection: ...
 
 
 class LegOutcomes(Protocol):
@@ -48,6 +60,7 @@ class ProxyGateway(Protocol):
     session: aiohttp.ClientSession | None
     tenant_keys: Mapping[str, str]  # API key hash -> tenant (gateway/tenants.py)
     legs: LegOutcomes  # each leg's outcome: breakers, ejection, probes
+    decode_waits: DecodeWaitsLike
     # learning and replication
     learner: Learner
     replicator: Replicator

@@ -33,6 +33,7 @@ from backends.scraper import MetricsScraper
 from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from config.tenant_keys import tenant_keys
 from gateway.capacity_loop import CapacitySignal
+from gateway.decode_waits import DecodeWaits
 from gateway.drain import Drain
 from gateway.kv_feeds import KvEventFeeds
 from gateway.learning import Learner
@@ -108,6 +109,9 @@ class Gateway:
         if self.replicas is not None:  # kvgate_replica_*: read at scrape time
             self.metrics.registry.register(ReplicaExchangeCollector(self.replicas))
         self.drain = Drain(clock)  # SIGTERM: stop taking requests, finish or abort the rest
+        # Requests turned away on the TBT check that wait for decode room (routing/decode_queue.py).
+        self.decode_waits = DecodeWaits(self.conductor, clock)
+        self.drain.on_begin.append(self.decode_waits.end_all)
         # Tenants' API key hashes (config and keys file), read here and on reload, never on
         # the request path (gateway/tenants.py takes them from here).
         self.tenant_keys = tenant_keys(settings.tenants)
@@ -339,6 +343,10 @@ class Gateway:
             self.metrics.tbt_headroom_share.labels(model or "").set(control.share)
         self.metrics.decode_rebinds.set(self.conductor.stats.rebinds)
         self.metrics.decode_tbt_moves.set(self.conductor.stats.tbt_moves)
+        queue = self.conductor.decode_queue
+        self.metrics.decode_queue.labels("waiting").set(len(queue))
+        self.metrics.decode_queue.labels("admitted").set(queue.admitted)
+        self.metrics.decode_queue.labels("expired").set(queue.expired)
         self.capacity.update(now)
 
     async def _refit_loop(self) -> None:

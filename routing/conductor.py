@@ -2,7 +2,8 @@
 
 ``schedule(request, now)`` returns a ``Decision`` (prefill and decode instance, predictions,
 replication commands) or a ``Rejection`` (which may carry the warm-up of a doomed request's
-prompt, routing/doomed_warmup.py); it does not change the books. ``reject_hopeless``
+prompt, routing/doomed_warmup.py); it does not change the books. A request turned away on its
+TBT check may wait for decode room (``park``, routing/parked_requests.py); ``reject_hopeless``
 answers the rejections that need no prompt tokens (routing/hopeless.py). ``dispatched`` commits
 a decision; the event methods (the request's progress in routing/request_progress.py, the
 KV view's in routing/cache_view_events.py, instance add/drain/remove/health here) keep the
@@ -31,6 +32,7 @@ from routing.best_effort import serve_best_effort
 from routing.cache_view_events import CacheViewEvents
 from routing.conditional_disagg import local_prefill
 from routing.decode_placement import place_decode, tbt_fallback
+from routing.decode_queue import DecodeQueue
 from routing.doomed_warmup import plan_warmup
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
 from routing.fleet_pools import FleetPools, ModelPools
@@ -38,6 +40,7 @@ from routing.hopeless import hopeless_rejection
 from routing.hotspot import HotspotPlanner
 from routing.instance_books import InstanceState
 from routing.kv_index import KVIndex
+from routing.parked_requests import ParkedRequests
 from routing.policies.base import PlacementContext, Policy
 from routing.policies.registry import build_policy
 from routing.request_progress import RequestProgress, RequestRecord
@@ -55,7 +58,7 @@ __all__ = ["Conductor", "PredictorFactory", "RequestRecord"]
 _BIT_ORDER = attrgetter("bit_order")
 
 
-class Conductor(RequestProgress, CacheViewEvents):
+class Conductor(RequestProgress, CacheViewEvents, ParkedRequests):
     def __init__(
         self,
         settings: Settings,
@@ -82,6 +85,8 @@ class Conductor(RequestProgress, CacheViewEvents):
         # before each decision and after each dispatch. The core only calls them.
         self.before_schedule: list[Callable[[], object]] = []
         self.after_dispatch: list[Callable[[], object]] = []
+        # ... and after each finished request (the gateway's decode waits, with ``now``).
+        self.after_finished: list[Callable[[float], object]] = []
         self.apply_settings(settings)
         for inst in settings.instances():
             self.add_instance(inst)
@@ -99,6 +104,10 @@ class Conductor(RequestProgress, CacheViewEvents):
         old = getattr(self, "settings", None)
         self.settings = settings
         self.admission = Admission(settings.admission)
+        if hasattr(self, "decode_queue"):  # what waits keeps waiting, under the new rules
+            self.decode_queue.settings = settings.admission.decode_queue
+        else:
+            self.decode_queue = DecodeQueue(settings.admission.decode_queue)
         # A model's own SLO replaces the global one for its requests (priority classes apply).
         self._model_slo = {
             m.name: replace(
@@ -190,10 +199,15 @@ class Conductor(RequestProgress, CacheViewEvents):
 
     # ------------------------------------------------------------------ decisions
     def schedule(
-        self, req: RequestInfo, now: float, exclude: frozenset[str] = frozenset()
+        self,
+        req: RequestInfo,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        parked: bool = False,
     ) -> Decision | Rejection:
         """Place ``req`` (not on the instances in ``exclude``: a retry avoids the one that
-        just failed it), or reject it."""
+        just failed it), or reject it. ``parked``: a retry from the decode queue
+        (routing/parked_requests.py), whose rejections count nowhere."""
         for hook in self.before_schedule:
             hook()
         self._last_now = max(self._last_now, now)
@@ -263,6 +277,7 @@ class Conductor(RequestProgress, CacheViewEvents):
             decode is not prefill
             and not self.admission.tbt_passes(req, slo, tbt_check)
             and self.admission.may_move_decode(req)
+            and not parked
         ):
             moved = tbt_fallback(ctx, decode, lambda t: self.admission.tbt_passes(req, slo, t))
             if moved is not None:
@@ -278,9 +293,11 @@ class Conductor(RequestProgress, CacheViewEvents):
                 req, option, tbt_check, slo, self.settings.admission, prefill_pool, now
             )
             rejection = self.admission.check(
-                req, slo, option.ttft_s, tbt_check, retry_s, not late, retry=bool(exclude)
+                req, slo, option.ttft_s, tbt_check, retry_s, not late, bool(exclude) or parked
             )
         if rejection is not None:
+            if parked:
+                return rejection
             self._count_rejection(rejection)
             return plan_warmup(
                 ctx, slo, rejection, option, tbt_check, self.admission, self.policy.name

@@ -49,6 +49,7 @@ class RequestProgress:
     stats: DecisionStats
     _event_fed: set[str]
     after_dispatch: list[Callable[[], object]]
+    after_finished: list[Callable[[float], object]]
     _pools_for: Callable[[RequestInfo], ModelPools]
     policy: Policy
     admission: Admission
@@ -177,6 +178,8 @@ class RequestProgress:
                 tbt_s = (now - first) / (out - 1)
             if tbt_s is not None:
                 self.admission.observe_decode(rec.request.model, tbt_s > rec.decision.slo_tbt_s)
+        for hook in self.after_finished:  # its decode room is free (gateway/decode_waits.py)
+            hook(now)
 
     def failed(self, request_id: str, now: float, decode_refused: bool = False) -> None:
         """``decode_refused``: the decode engine turned the request away at join for its TBT

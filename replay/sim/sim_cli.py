@@ -87,6 +87,16 @@ def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
     )
 
 
+# ``--best-effort on|off`` and the like: (admission section, its switch, the choice for True).
+_ADMISSION_SWITCHES = (
+    ("best_effort", "enabled", "on"),
+    ("doomed_warmup", "enabled", "on"),
+    ("decode_reservation", "enabled", "on"),
+    ("decode_queue", "enabled", "on"),
+    ("tbt_headroom", "adaptive", "learned"),
+)
+
+
 def base_settings(args: argparse.Namespace) -> Settings:
     if args.config:
         from config.loader import load_settings
@@ -112,18 +122,10 @@ def base_settings(args: argparse.Namespace) -> Settings:
         routing = replace(routing, params=frozen_mapping(params))
     replication = replace(settings.replication, enabled=args.replication == "on")
     admission = settings.admission
-    if getattr(args, "best_effort", None):
-        best_effort = replace(admission.best_effort, enabled=args.best_effort == "on")
-        admission = replace(admission, best_effort=best_effort)
-    if getattr(args, "doomed_warmup", None):
-        warmup = replace(admission.doomed_warmup, enabled=args.doomed_warmup == "on")
-        admission = replace(admission, doomed_warmup=warmup)
-    if getattr(args, "decode_reservation", None):
-        reservation = replace(admission.decode_reservation, enabled=args.decode_reservation == "on")
-        admission = replace(admission, decode_reservation=reservation)
-    if getattr(args, "tbt_headroom", None):
-        learned = replace(admission.tbt_headroom, adaptive=args.tbt_headroom == "learned")
-        admission = replace(admission, tbt_headroom=learned)
+    for section, field_name, on in _ADMISSION_SWITCHES:
+        if value := getattr(args, section, None):
+            switched = replace(getattr(admission, section), **{field_name: value == on})
+            admission = replace(admission, **{section: switched})
     if getattr(args, "decode_rebind", None):
         routing = replace(routing, decode_rebind=args.decode_rebind == "on")
     predictors = settings.predictors
@@ -303,6 +305,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="admission.doomed_warmup.enabled: prefill, on an idle instance, the prompt of a "
         "request turned away as too long for the TTFT SLO, for the requests that share its "
         "prefix (default: the config's, on)",
+    )
+    p.add_argument(
+        "--decode-queue",
+        choices=["on", "off"],
+        help="admission.decode_queue.enabled: a request turned away on its TBT check waits "
+        "for decode room; each finished decode admits the waiting one with the shortest prompt "
+        "that then fits (default: the config's, on)",
     )
     p.add_argument(
         "--decode-reservation",

@@ -161,6 +161,12 @@ class Simulator:
         self.result.extra["reserve_turned_away"] = self.conductor.admission.turned_away_by_reserve
         self.result.extra["decode_rebinds"] = self.conductor.stats.rebinds
         self.result.extra["decode_tbt_moves"] = self.conductor.stats.tbt_moves
+        queue = self.conductor.decode_queue  # requests that waited for decode room
+        self.result.extra["decode_queue"] = {
+            "parked": queue.parked,
+            "admitted": queue.admitted,
+            "expired": queue.expired,
+        }
         self.result.extra["doomed_warmups"] = self.conductor.stats.warmups
         # The share of the TBT headroom in force at the end, and how often it moved.
         control = self.conductor.admission.headroom_for(None)
@@ -185,10 +191,27 @@ class Simulator:
         self._output[rid] = max(tr.output_length, 1)
         decision = self.conductor.schedule(req, now)
         if not isinstance(decision, Decision):
+            # Final unless it waits for decode room and a finished decode admits it.
             out.outcome, out.reason = Outcome.REJECTED, decision.reason.value
             if decision.warmup is not None:
                 self._warm(decision, req, now)
+            self.conductor.park(decision, req, now)
             return
+        self._dispatch(req, decision, now)
+
+    def _release_parked(self, now: float) -> None:
+        """A decode finished: the decode queue may admit one waiting request."""
+        self.conductor.expire_parked(now)  # their outcome stays the rejection
+        released = self.conductor.release_parked(now)
+        if released is not None:
+            req, decision = released
+            self.outcomes[req.request_id].outcome = Outcome.FAILED  # in flight again
+            self.outcomes[req.request_id].reason = ""
+            self._dispatch(req, decision, now)
+
+    def _dispatch(self, req: RequestInfo, decision: Decision, now: float) -> None:
+        rid = req.request_id
+        out = self.outcomes[rid]
         self.conductor.dispatched(decision, req, now)
         self._requests[rid], self._decisions[rid] = req, decision
         out.prefill_instance, out.decode_instance = decision.prefill, decision.decode
@@ -372,6 +395,7 @@ class Simulator:
             out.tbt_mean_s = (now - start) / (generated - 1)
         self.conductor.finished(rid, now, output_tokens=generated, tbt_s=out.tbt_mean_s)
         self._forget(rid)
+        self._release_parked(now)
 
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)

@@ -112,3 +112,16 @@ def busy(conductor: Conductor, instance: str, seconds: float, now: float = 0.0) 
 
 def make_conductor(**kw: object) -> Conductor:
     return Conductor(fleet_settings(**kw))  # type: ignore[arg-type]
+
+
+def full_decode_conductor(admission: AdmissionMode = AdmissionMode.EARLY) -> Conductor:
+    """One prefill and one decode instance whose batch today (100 sequences of 3,000 tokens,
+    ``run0``..``run99``) fails a 20 ms TBT SLO: every request is turned away on its TBT."""
+    from routing.instance_books import DecodeWork
+
+    c = make_conductor(prefill=1, decode=1, admission=admission, slo=SLOSettings(tbt_s=0.02))
+    d0 = c.instances["d0"]
+    for i in range(100):
+        d0.add_incoming(DecodeWork(f"run{i}", 3000, 10, 0.0))
+        d0.start_decode(f"run{i}", 0.0)
+    return c

@@ -168,7 +168,8 @@ def test_best_effort_switch(trace: Path, tmp_path: Path) -> None:
 
 def test_decode_reservation_switch(trace: Path, tmp_path: Path) -> None:
     """One decode instance and a tight TBT SLO overload decode: with the reservation on, some
-    long prompts the plain TBT check would admit are turned away (counted in the report)."""
+    long prompts the plain TBT check would admit are turned away (counted in the report;
+    the decode queue off, which would admit them later)."""
     runs = _on_and_off(
         trace,
         tmp_path,
@@ -179,6 +180,8 @@ def test_decode_reservation_switch(trace: Path, tmp_path: Path) -> None:
         "1",
         "--tbt-slo",
         "0.01",
+        "--decode-queue",
+        "off",
     )
     assert runs["on"]["reserve_turned_away"] > 0 and runs["off"]["reserve_turned_away"] == 0
     assert runs["on"]["rejected"] > runs["off"]["rejected"]
@@ -245,3 +248,13 @@ def test_network_switch_times_the_same_transfers_two_ways(tmp_path: Path) -> Non
     assert (fair["network"], calendar["network"]) == ("fair", "calendar")
     assert fair["kv_transfer_bytes"] == calendar["kv_transfer_bytes"] > 0
     assert fair["ttft_p50_s"] < calendar["ttft_p50_s"]
+
+
+def test_decode_queue_switch(trace: Path, tmp_path: Path) -> None:
+    """The same decode overload: with the queue on, requests turned away on the TBT check wait
+    and finished decodes admit them (counted in the report); off, they are rejected."""
+    args = ("--prefill", "2", "--decode", "1", "--tbt-slo", "0.01")
+    runs = _on_and_off(trace, tmp_path, "--decode-queue", *args)
+    on, off = runs["on"], runs["off"]
+    assert on["decode_queue"]["admitted"] > 0 and off["decode_queue"]["parked"] == 0
+    assert on["rejected"] < off["rejected"]

@@ -1,0 +1,94 @@
+"""Clients whose request waits in the decode queue (routing/decode_queue.py).
+
+A request turned away on its TBT check is held here instead of answered 429 at once, while
+the Conductor's queue takes it (``Conductor.park``). Each finished decode (the Conductor's
+``after_finished`` hook, whichever front door finished it) admits at most one waiting request:
+the Conductor picks it (``release_parked``), it is booked here at once (``dispatched``), so
+the next release already sees it, and its handler goes on as if it had been placed on
+arrival (a tenant over its fair share by then is turned away after all, before the
+booking). A wait ends with the request's 429 when its deadline passes, or when a drain
+begins. The proxy waits; the endpoint picker behind Envoy does not (its
+rejections are answered at once). The clock is the gateway's (monotonic seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from routing.conductor import Conductor
+from routing.types import Decision, Rejection, RequestInfo
+
+Screen = Callable[[Decision, RequestInfo, float], Decision | Rejection]
+
+
+class DecodeWaits:
+    def __init__(self, conductor: Conductor, clock: Callable[[], float]) -> None:
+        self.conductor = conductor
+        self.clock = clock
+        self._waiting: dict[str, _Waiting] = {}
+        conductor.after_finished.append(self.decode_done)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def wait(
+        self, rejection: Rejection, req: RequestInfo, screen: Screen | None = None
+    ) -> Decision | Rejection:
+        """The decision (booked) once a finished decode admits ``req``, else ``rejection``
+        (the queue did not take it, or its wait ended without room). ``screen``: the
+        tenants' fair-share check, run before the booking, which may still turn it away."""
+        now = self.clock()
+        rid = req.request_id
+        if rid in self._waiting or not self.conductor.park(rejection, req, now):
+            return rejection
+        parked = self.conductor.decode_queue.entry(rid)
+        timeout = parked.deadline_s - now if parked is not None else 0.0
+        fut: asyncio.Future[Decision | Rejection | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._waiting[rid] = _Waiting(req, fut, screen)
+        try:
+            out = await asyncio.wait_for(fut, max(timeout, 0.0))
+        except TimeoutError:
+            out = None
+        finally:
+            self._waiting.pop(rid, None)
+            self.conductor.unpark(rid)
+        return rejection if out is None else out
+
+    def decode_done(self, now: float) -> None:
+        """A decode finished: end the waits that are over, admit at most one request."""
+        for req in self.conductor.expire_parked(now):
+            self._end(req.request_id, None)
+        released = self.conductor.release_parked(now)
+        if released is None:
+            return
+        req, decision = released
+        waiting = self._waiting.get(req.request_id)
+        if waiting is None or waiting.future.done():
+            return  # its client is gone: nothing was booked
+        out: Decision | Rejection = decision
+        if waiting.screen is not None:
+            out = waiting.screen(decision, waiting.request, now)
+        if isinstance(out, Decision):
+            self.conductor.dispatched(out, waiting.request, now)
+        self._end(req.request_id, out)
+
+    def end_all(self) -> None:
+        """A drain began: every waiting client hears its rejection now."""
+        for rid in list(self._waiting):
+            self._end(rid, None)
+
+    def _end(self, request_id: str, out: Decision | Rejection | None) -> None:
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None and not waiting.future.done():
+            waiting.future.set_result(out)
+
+
+@dataclass(slots=True)
+class _Waiting:
+    request: RequestInfo
+    future: asyncio.Future[Decision | Rejection | None]
+    screen: Screen | None

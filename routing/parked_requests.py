@@ -1,0 +1,79 @@
+"""The Conductor's side of the decode queue (routing/decode_queue.py): which rejections may
+wait, and which waiting request a finished decode admits.
+
+The driver (gateway/decode_waits.py, the simulator) holds a client whose request ``park``
+took; after each finished decode it asks ``release_parked`` for the one to admit now (a
+``Decision`` it dispatches like any other) and ``expire_parked`` for those whose wait is over
+(their 429 goes out then). A mixin of the Conductor (routing/conductor.py), which owns the
+state named below; time is an argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Protocol
+
+from config.settings import SLOSettings
+from routing.admission import SLO_MODES, Admission, resolve_slo
+from routing.decode_queue import DecodeQueue
+from routing.types import Decision, Rejection, RejectReason, RequestInfo
+
+
+class _Schedule(Protocol):
+    def __call__(
+        self, req: RequestInfo, now: float, exclude: frozenset[str] = ..., parked: bool = ...
+    ) -> Decision | Rejection: ...
+
+
+class ParkedRequests:
+    """Decode-queue callbacks over the Conductor's state (declared here for the type checker)."""
+
+    admission: Admission
+    instances: dict[str, Any]
+    decode_queue: DecodeQueue
+    settings: Any
+    _model_slo: dict[str, SLOSettings]
+    schedule: _Schedule
+
+    def park(self, rejection: Rejection, req: RequestInfo, now: float) -> bool:
+        """Whether ``req``, just turned away on its TBT check, waits in the decode queue (the
+        driver then holds its client); its TTFT keeps counting from ``now``."""
+        if (
+            rejection.reason is not RejectReason.TBT_SLO
+            or self.admission.mode not in SLO_MODES
+            or rejection.warmup is not None
+        ):
+            return False
+        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
+        return self.decode_queue.park(req, now, slo.ttft_s)
+
+    def expire_parked(self, now: float) -> list[RequestInfo]:
+        """The parked requests whose wait is over: the driver answers them 429 now."""
+        return self.decode_queue.expire(now)
+
+    def release_parked(self, now: float) -> tuple[RequestInfo, Decision] | None:
+        """A decode finished: the parked request to admit now (shortest prompt first, the
+        first that passes both checks within the TTFT budget it has left), or None. Its
+        retries count nowhere (not as rejections, not in the reservation's windows)."""
+        for entry in self.decode_queue.cheapest():
+            left = entry.arrival_s + entry.ttft_slo_s - now
+            if left <= 0:
+                continue
+            req = replace(entry.request, slo_ttft_s=left)
+            out = self.schedule(req, now, parked=True)
+            if isinstance(out, Decision) and self._fits_committed(req, out):
+                self.decode_queue.admit(entry.request.request_id)
+                return entry.request, out
+        return None
+
+    def _fits_committed(self, req: RequestInfo, d: Decision) -> bool:
+        inst = self.instances.get(d.decode)
+        if inst is None or d.decode == d.prefill:
+            return True
+        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
+        slo.tbt_share = self.admission.headroom_for(req.model).share
+        return self.admission.tbt_passes(req, slo, inst.committed_tbt(req.prompt_tokens))
+
+    def unpark(self, request_id: str) -> None:
+        """Its client stopped waiting."""
+        self.decode_queue.drop(request_id)

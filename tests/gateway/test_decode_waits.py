@@ -1,0 +1,169 @@
+"""Clients waiting for decode room (gateway/decode_waits.py): a finished decode admits the
+waiting request and books it; a deadline, a drain or the tenants' screen end the wait with the
+rejection. Real Conductor (its TBT check fails on a full decode batch), real asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from config.admission_settings import DecodeQueueSettings
+from gateway.decode_waits import DecodeWaits
+from routing.conductor import Conductor
+from routing.types import Decision, Rejection, RejectReason, RequestInfo
+from tests.routing.fleet import full_decode_conductor, prompt, request
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _setup(**queue: object) -> tuple[Conductor, DecodeWaits, _Clock, RequestInfo, Rejection]:
+    c = full_decode_conductor()
+    if queue:
+        admission = replace(c.settings.admission, decode_queue=DecodeQueueSettings(**queue))  # type: ignore[arg-type]
+        c.apply_settings(replace(c.settings, admission=admission))
+    clock = _Clock()
+    waits = DecodeWaits(c, clock)
+    req = request("r", prompt(1, 8))
+    rej = c.schedule(req, 0.0)
+    assert isinstance(rej, Rejection) and rej.reason is RejectReason.TBT_SLO
+    return c, waits, clock, req, rej
+
+
+def _free_room(c: Conductor, now: float) -> None:
+    for i in range(100):
+        c.instances["d0"].remove_decode(f"run{i}", now)
+
+
+def test_a_finished_decode_admits_and_books_the_waiting_request() -> None:
+    c, waits, clock, req, rej = _setup()
+
+    async def run() -> Decision | Rejection:
+        task = asyncio.create_task(waits.wait(rej, req))
+        await asyncio.sleep(0)
+        assert len(waits) == 1 and "r" in c.decode_queue
+        clock.t = 0.5
+        waits.decode_done(clock.t)  # no room yet: it keeps waiting
+        assert not task.done()
+        _free_room(c, 1.0)
+        clock.t = 1.0
+        for hook in c.after_finished:  # as Conductor.finished runs them
+            hook(clock.t)
+        return await task
+
+    out = asyncio.run(run())
+    assert isinstance(out, Decision) and out.request_id == "r"
+    assert "r" in c.requests  # booked when admitted, before its handler went on
+    assert len(waits) == 0 and c.decode_queue.admitted == 1
+
+
+def test_the_wait_ends_with_the_rejection_at_its_deadline_or_a_drain() -> None:
+    c, waits, _, req, rej = _setup(max_wait_s=0.05)
+    assert asyncio.run(waits.wait(rej, req)) is rej  # 50 ms, nothing finished
+    assert "r" not in c.decode_queue and "r" not in c.requests
+
+    c, waits, _, req, rej = _setup()
+
+    async def drained() -> Decision | Rejection:
+        task = asyncio.create_task(waits.wait(rej, req))
+        await asyncio.sleep(0)
+        waits.end_all()
+        return await task
+
+    assert asyncio.run(drained()) is rej
+    assert "r" not in c.decode_queue
+
+
+def test_a_tenant_over_its_share_by_then_is_turned_away_unbooked() -> None:
+    c, waits, _, req, rej = _setup()
+    refused = replace(rej, reason=RejectReason.TBT_SLO, message="over its share")
+
+    async def run() -> Decision | Rejection:
+        task = asyncio.create_task(waits.wait(rej, req, lambda d, info, now: refused))
+        await asyncio.sleep(0)
+        _free_room(c, 1.0)
+        waits.decode_done(1.0)
+        return await task
+
+    assert asyncio.run(run()) is refused
+    assert "r" not in c.requests
+
+
+def test_through_the_proxy_a_request_waits_for_the_decode_that_finishes() -> None:
+    """Two stub engines; a TBT SLO that one decode meets and two together do not. While A
+    decodes (the stub holds it 0.6 s), B is turned away on its TBT check and waits instead of
+    hearing 429; A's end admits it and it is served."""
+    import time
+
+    import aiohttp
+    import uvicorn
+
+    from config.loader import settings_from_dict
+    from gateway.app import build_app
+    from routing.conductor import Conductor as Core
+    from tests.backends.test_drivers import StubEngine
+
+    async def run() -> tuple[list[tuple[str, int, float]], str]:
+        p, d = StubEngine("prefill"), StubEngine("decode")
+        p.partner, d.delay_s = d, 0.6
+        purl, durl = await p.start(), await d.start()
+        raw = {
+            "admission": {"mode": "early", "tbt_headroom": {"adaptive": False}},
+            "server": {"health_interval_s": 30.0, "refit_interval_s": 0},
+            "pools": [
+                {"name": "p", "role": "prefill", "instances": [{"id": "p0", "url": purl}]},
+                {"name": "d", "role": "decode", "instances": [{"id": "d0", "url": durl}]},
+            ],
+        }
+        step = Core(settings_from_dict(raw)).instances["d0"].predictors.decode.step_time
+        one, two = step(1, 200), step(2, 200)  # prompts of ~75 tokens: well inside both
+        raw["slo"] = {"tbt_s": (one + two) / 2 / 0.9}  # the normal class keeps 10 %
+        app = build_app(settings_from_dict(raw))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        )
+        task = asyncio.create_task(server.serve())
+        done: list[tuple[str, int, float]] = []
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+            gw = app.gateway
+            t0 = time.monotonic()
+
+            async def post(s: aiohttp.ClientSession, rid: str) -> None:
+                body = {"prompt": "hello " * 50, "max_tokens": 8, "stream": True}
+                async with s.post(
+                    url + "/v1/completions", json=body, headers={"X-Request-Id": rid}
+                ) as r:
+                    await r.read()
+                    done.append((rid, r.status, time.monotonic() - t0))
+
+            async with aiohttp.ClientSession() as s:
+                a = asyncio.create_task(post(s, "A"))
+                for _ in range(200):  # until A decodes (its prefill answered), bounded
+                    rec = gw.conductor.requests.get("A")
+                    if rec is not None and rec.prefill_done_s is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                b = asyncio.create_task(post(s, "B"))
+                await asyncio.wait_for(asyncio.gather(a, b), 10)
+                async with s.get(url + "/metrics") as r:
+                    metrics = await r.text()
+        finally:
+            server.should_exit = True
+            await task
+            await p.server.close()
+            await d.server.close()
+        return done, metrics
+
+    done, metrics = asyncio.run(run())
+    assert [(rid, status) for rid, status, _ in done] == [("A", 200), ("B", 200)]
+    assert done[1][2] >= done[0][2] + 0.3  # B's decode began after A's ended
+    assert 'kvgate_decode_queue{state="admitted"} 1.0' in metrics
+    assert 'kvgate_decode_queue{state="waiting"} 0.0' in metrics
