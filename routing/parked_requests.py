@@ -10,12 +10,14 @@ state named below; time is an argument.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
 from config.settings import SLOSettings
 from routing.admission import SLO_MODES, Admission, resolve_slo
 from routing.decode_queue import DecodeQueue
+from routing.fleet_pools import ModelPools
 from routing.types import Decision, Rejection, RejectReason, RequestInfo
 
 
@@ -34,10 +36,12 @@ class ParkedRequests:
     settings: Any
     _model_slo: dict[str, SLOSettings]
     schedule: _Schedule
+    _pools_for: Callable[[RequestInfo], ModelPools]
 
     def park(self, rejection: Rejection, req: RequestInfo, now: float) -> bool:
         """Whether ``req``, just turned away on its TBT check, waits in the decode queue (the
-        driver then holds its client); its TTFT keeps counting from ``now``."""
+        driver then holds its client); its TTFT keeps counting from ``now``. Not one whose
+        decode would miss the check even alone in a batch: no finished decode can help it."""
         if (
             rejection.reason is not RejectReason.TBT_SLO
             or self.admission.mode not in SLO_MODES
@@ -45,6 +49,18 @@ class ParkedRequests:
         ):
             return False
         slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
+        slo.tbt_share = self.admission.headroom_for(req.model).share
+        # One whose decode misses the TBT check even alone in a batch would wait for nothing.
+        pools = self._pools_for(req)
+        alone = min(
+            (
+                i.predictors.decode.step_time(1, req.prompt_tokens)
+                for i in pools.decode or pools.prefill
+            ),
+            default=None,
+        )
+        if alone is None or not self.admission.tbt_passes(req, slo, alone):
+            return False
         return self.decode_queue.park(req, now, slo.ttft_s)
 
     def expire_parked(self, now: float) -> list[RequestInfo]:

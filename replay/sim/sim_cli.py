@@ -24,7 +24,7 @@ from replay.sim.fleet import FleetSpec
 from replay.workload.traces import TraceRequest, load_trace, select
 
 if TYPE_CHECKING:
-    from replay.sim.simulator import SimOptions
+    from replay.sim.options import SimOptions
 
 _SYNTHETIC = {"synthetic:chat"}
 # Policies with a shipped overload control (admission mode "peer").
@@ -179,7 +179,7 @@ def fleet_from(args: argparse.Namespace, settings: Settings) -> FleetSpec:
 
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
-    from replay.sim.simulator import SimOptions
+    from replay.sim.options import SimOptions
 
     return SimOptions(ttft_after_transfer=args.ttft_after_transfer, network=args.network)
 

@@ -23,7 +23,9 @@ from predictors.profiles import get_profile
 from replay.engine.engine import DecodeSeq, Engine, PrefillJob, StepReport
 from replay.engine.network import NETWORK_MODELS
 from replay.report.results import LoadSample, Outcome, RequestOutcome, RunResult
+from replay.sim.admission_counters import admission_counters
 from replay.sim.fleet import FleetSpec, build_engines, fleet_settings
+from replay.sim.options import SimOptions
 from replay.workload.traces import TraceRequest
 from routing.conductor import Conductor
 from routing.hashing import hash_ids_to_blocks
@@ -37,27 +39,6 @@ class _Kind(IntEnum):  # the tie-break order at equal times
     KV_ARRIVED = 3
     ARRIVAL = 4
     SAMPLE = 5
-
-
-@dataclass(frozen=True, slots=True)
-class SimOptions:
-    sample_interval_s: float = 5.0  # load samples and token progress reports
-    # The max_tokens a client asks for. Traces give the length actually generated; using it as
-    # max_tokens would hand the output-length predictor the answer, so requests ask for at least
-    # this many and the engine stops at the trace's length (as if at an end-of-sequence token).
-    max_tokens: int = 2048
-    # When the client sees the first token. False: at the end of the prefill (Mooncake, which
-    # overlaps the KV transfer with the prefill layer by layer); the wait to join the decode
-    # batch then falls in the first gap between tokens. True: when the decode instance takes
-    # the request into its batch at a step boundary after the KV arrived, and streams the
-    # first token (SGLang P/D on the wire; vLLM NIXL one step later, as the live emulator);
-    # the join wait then counts in TTFT, and the gaps are decode steps.
-    ttft_after_transfer: bool = False
-    # How KV transfers share a NIC (replay.engine.network.NETWORK_MODELS): "calendar" sends
-    # one at a time per link direction, reserved up front (the model of the tables in docs/);
-    # "fair" splits each link's bandwidth among the transfers on it.
-    network: str = "calendar"
-    label: str | None = None
 
 
 @dataclass(slots=True)
@@ -157,21 +138,7 @@ class Simulator:
         self.result.extra["cache_capacity_blocks"] = next(
             (e.cache.capacity_blocks for e in self.engines.values() if e.cache is not None), 0
         )
-        # Rejections the decode reservation made that the plain TBT check would have admitted.
-        self.result.extra["reserve_turned_away"] = self.conductor.admission.turned_away_by_reserve
-        self.result.extra["decode_rebinds"] = self.conductor.stats.rebinds
-        self.result.extra["decode_tbt_moves"] = self.conductor.stats.tbt_moves
-        queue = self.conductor.decode_queue  # requests that waited for decode room
-        self.result.extra["decode_queue"] = {
-            "parked": queue.parked,
-            "admitted": queue.admitted,
-            "expired": queue.expired,
-        }
-        self.result.extra["doomed_warmups"] = self.conductor.stats.warmups
-        # The share of the TBT headroom in force at the end, and how often it moved.
-        control = self.conductor.admission.headroom_for(None)
-        self.result.extra["tbt_headroom_share"] = round(control.share, 3)
-        self.result.extra["tbt_headroom_moves"] = control.raised + control.lowered
+        self.result.extra.update(admission_counters(self.conductor))
         return self.result
 
     # ------------------------------------------------------------------ arrivals

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from config.admission_settings import DecodeQueueSettings
-from config.settings import AdmissionMode
+from config.settings import AdmissionMode, SLOSettings
 from routing.decode_queue import DecodeQueue
 from routing.types import Decision, Rejection, RejectReason, RequestInfo
-from tests.routing.fleet import full_decode_conductor, prompt, request
+from tests.routing.fleet import full_decode_conductor, make_conductor, prompt, request
 
 
 def _req(rid: str, tokens: int) -> RequestInfo:
@@ -68,3 +68,15 @@ def test_only_tbt_rejections_in_an_slo_mode_wait() -> None:
         replace(c.settings, admission=replace(c.settings.admission, mode=AdmissionMode.NONE))
     )
     assert not c.park(rej, req, 0.0)
+
+
+def test_a_decode_that_misses_the_check_even_alone_does_not_wait() -> None:
+    # A 1 ms TBT SLO: even alone in a batch no decode step is that fast; no finished decode
+    # can help, so it hears its 429 at once.
+    c = make_conductor(
+        prefill=1, decode=1, admission=AdmissionMode.EARLY, slo=SLOSettings(tbt_s=0.001)
+    )
+    req = request("r", prompt(2, 8))
+    out = c.schedule(req, 0.0)
+    assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
+    assert not c.park(out, req, 0.0) and len(c.decode_queue) == 0

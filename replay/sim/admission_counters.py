@@ -1,0 +1,29 @@
+"""What the Conductor's admission did over a simulated run, for the report (``RunResult.extra``).
+
+Counters the live gateway shows in ``/admin/state`` and its metrics; here read once, at the end.
+"""
+
+from __future__ import annotations
+
+from routing.conductor import Conductor
+
+
+def admission_counters(conductor: Conductor) -> dict[str, object]:
+    admission, stats, queue = conductor.admission, conductor.stats, conductor.decode_queue
+    control = admission.headroom_for(None)
+    return {
+        # Rejections the decode reservation made that the plain TBT check would have admitted.
+        "reserve_turned_away": admission.turned_away_by_reserve,
+        "decode_rebinds": stats.rebinds,
+        "decode_tbt_moves": stats.tbt_moves,
+        # Requests that waited for decode room (routing/decode_queue.py).
+        "decode_queue": {
+            "parked": queue.parked,
+            "admitted": queue.admitted,
+            "expired": queue.expired,
+        },
+        "doomed_warmups": stats.warmups,
+        # The share of the TBT headroom in force at the end, and how often it moved.
+        "tbt_headroom_share": round(control.share, 3),
+        "tbt_headroom_moves": control.raised + control.lowered,
+    }
