@@ -14,11 +14,14 @@ rejections are answered at once). The clock is the gateway's (monotonic seconds)
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from routing.conductor import Conductor
 from routing.types import Decision, Rejection, RequestInfo
+
+log = logging.getLogger("kvgate.gateway")
 
 Screen = Callable[[Decision, RequestInfo, float], Decision | Rejection]
 
@@ -59,7 +62,15 @@ class DecodeWaits:
         return rejection if out is None else out
 
     def decode_done(self, now: float) -> None:
-        """A decode finished: end the waits that are over, admit at most one request."""
+        """A decode finished: end the waits that are over, admit at most one request. Runs
+        inside the finishing request's ``Conductor.finished``: a failure here is logged, never
+        passed on to that request."""
+        try:
+            self._decode_done(now)
+        except Exception:
+            log.exception("decode queue: releasing a waiting request failed")
+
+    def _decode_done(self, now: float) -> None:
         for req in self.conductor.expire_parked(now):
             self._end(req.request_id, None)
         released = self.conductor.release_parked(now)

@@ -167,3 +167,15 @@ def test_through_the_proxy_a_request_waits_for_the_decode_that_finishes() -> Non
     assert done[1][2] >= done[0][2] + 0.3  # B's decode began after A's ended
     assert 'kvgate_decode_queue{state="admitted"} 1.0' in metrics
     assert 'kvgate_decode_queue{state="waiting"} 0.0' in metrics
+
+
+def test_a_failing_release_is_logged_not_passed_to_the_finishing_request(caplog) -> None:
+    c, _waits, _, _, _ = _setup()  # its hook is registered
+
+    def broken(now: float) -> None:
+        raise RuntimeError("boom")
+
+    c.release_parked = broken  # type: ignore[method-assign]
+    for hook in c.after_finished:  # as Conductor.finished runs them: nothing raised
+        hook(1.0)
+    assert "releasing a waiting request failed" in caplog.text
