@@ -117,14 +117,11 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests):
             )
             for m in settings.models
         }
+        policy = (settings.routing.policy, dict(settings.routing.params))
         if (
             old is None
             or not hasattr(self, "policy")
-            or (
-                old.routing.policy,
-                dict(old.routing.params),
-            )
-            != (settings.routing.policy, dict(settings.routing.params))
+            or (old.routing.policy, dict(old.routing.params)) != policy
         ):
             self.policy: Policy = build_policy(settings.routing.policy, settings.routing.params)
             self.rng = random.Random(settings.routing.seed)
@@ -211,8 +208,7 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests):
         for hook in self.before_schedule:
             hook()
         self._last_now = max(self._last_now, now)
-        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
-        slo.tbt_share = self.admission.headroom_for(req.model).share
+        slo = self.effective_slo(req)
         pools = self._pools_for(req)
         prefill_pool, decode_pool = pools.prefill, pools.decode
         has_decode_pool = pools.has_decode_pool
@@ -351,6 +347,13 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests):
     def _count_rejection(self, rej: Rejection) -> None:
         key = rej.reason.value
         self.stats.rejections[key] = self.stats.rejections.get(key, 0) + 1
+
+    def effective_slo(self, req: RequestInfo) -> EffectiveSLO:
+        """``req``'s SLOs: its model's (or the global ones), its class, its own overrides, and
+        the share of the TBT headroom in force (routing/tbt_headroom.py)."""
+        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
+        slo.tbt_share = self.admission.headroom_for(req.model).share
+        return slo
 
     def _pools_for(self, req: RequestInfo) -> ModelPools:
         return self.pools.for_model(req.model if self.settings.models else None)

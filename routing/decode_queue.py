@@ -37,6 +37,11 @@ class Parked:
     arrival_s: float  # when it first asked: its TTFT counts from here
     ttft_slo_s: float
     deadline_s: float  # it stops waiting then
+    seq: int  # parking order: ties between equal prompts go to the first parked
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (self.request.prompt_tokens, self.seq, self.request.request_id)
 
 
 class DecodeQueue:
@@ -44,7 +49,6 @@ class DecodeQueue:
         self.settings = settings
         self._entries: dict[str, Parked] = {}
         self._by_cost: SortedList[tuple[int, int, str]] = SortedList()
-        self._keys: dict[str, tuple[int, int, str]] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # a heap; removed ids stay (lazy)
         self._seq = 0
         self.parked = 0  # counters since start
@@ -68,10 +72,8 @@ class DecodeQueue:
         if rid in self._entries:
             return True
         self._seq += 1
-        key = (req.prompt_tokens, self._seq, rid)
-        self._entries[rid] = Parked(req, arrival_s, ttft_slo_s, arrival_s + wait)
-        self._keys[rid] = key
-        self._by_cost.add(key)
+        entry = self._entries[rid] = Parked(req, arrival_s, ttft_slo_s, arrival_s + wait, self._seq)
+        self._by_cost.add(entry.key)
         heapq.heappush(self._deadlines, (arrival_s + wait, self._seq, rid))
         self.parked += 1
         return True
@@ -107,5 +109,5 @@ class DecodeQueue:
     def _remove(self, request_id: str) -> Parked | None:
         entry = self._entries.pop(request_id, None)
         if entry is not None:
-            self._by_cost.remove(self._keys.pop(request_id))
+            self._by_cost.remove(entry.key)
         return entry

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from config.settings import SLOSettings
-from routing.admission import SLO_MODES, Admission, resolve_slo
+from routing.admission import SLO_MODES, Admission, EffectiveSLO
 from routing.decode_queue import DecodeQueue
 from routing.fleet_pools import ModelPools
 from routing.types import Decision, Rejection, RejectReason, RequestInfo
@@ -33,9 +32,8 @@ class ParkedRequests:
     admission: Admission
     instances: dict[str, Any]
     decode_queue: DecodeQueue
-    settings: Any
-    _model_slo: dict[str, SLOSettings]
     schedule: _Schedule
+    effective_slo: Callable[[RequestInfo], EffectiveSLO]
     _pools_for: Callable[[RequestInfo], ModelPools]
 
     def park(self, rejection: Rejection, req: RequestInfo, now: float) -> bool:
@@ -48,18 +46,9 @@ class ParkedRequests:
             or rejection.warmup is not None
         ):
             return False
-        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
-        slo.tbt_share = self.admission.headroom_for(req.model).share
+        slo = self.effective_slo(req)
         # One whose decode misses the TBT check even alone in a batch would wait for nothing.
-        pools = self._pools_for(req)
-        alone = min(
-            (
-                i.predictors.decode.step_time(1, req.prompt_tokens)
-                for i in pools.decode or pools.prefill
-            ),
-            default=None,
-        )
-        if alone is None or not self.admission.tbt_passes(req, slo, alone):
+        if not self._decode_takes(req, slo, today=False):
             return False
         return self.decode_queue.park(req, now, slo.ttft_s)
 
@@ -76,18 +65,32 @@ class ParkedRequests:
             if left <= 0:
                 continue
             req = replace(entry.request, slo_ttft_s=left)
+            slo = self.effective_slo(req)
+            # Every check ``schedule`` makes is at least today's TBT on some decode instance:
+            # where no batch takes it today, skip the whole decision (most releases, at overload).
+            if not self._decode_takes(req, slo, today=True):
+                continue
             out = self.schedule(req, now, parked=True)
-            if isinstance(out, Decision) and self._fits_committed(req, out):
+            if isinstance(out, Decision) and self._fits_committed(req, slo, out):
                 self.decode_queue.admit(entry.request.request_id)
                 return entry.request, out
         return None
 
-    def _fits_committed(self, req: RequestInfo, d: Decision) -> bool:
+    def _decode_takes(self, req: RequestInfo, slo: EffectiveSLO, today: bool) -> bool:
+        """Whether some instance that could decode ``req`` passes its TBT check with it: in
+        its batch today, or (``today`` False) alone in a batch."""
+        pools, p = self._pools_for(req), req.prompt_tokens
+        return any(
+            self.admission.tbt_passes(
+                req, slo, i.tbt_now(1, p) if today else i.predictors.decode.step_time(1, p)
+            )
+            for i in pools.decode or pools.prefill
+        )
+
+    def _fits_committed(self, req: RequestInfo, slo: EffectiveSLO, d: Decision) -> bool:
         inst = self.instances.get(d.decode)
         if inst is None or d.decode == d.prefill:
             return True
-        slo = resolve_slo(req, self._model_slo.get(req.model, self.settings.slo))
-        slo.tbt_share = self.admission.headroom_for(req.model).share
         return self.admission.tbt_passes(req, slo, inst.committed_tbt(req.prompt_tokens))
 
     def unpark(self, request_id: str) -> None:
