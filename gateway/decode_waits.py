@@ -7,8 +7,9 @@ the Conductor picks it (``release_parked``), it is booked here at once (``dispat
 the next release already sees it, and its handler goes on as if it had been placed on
 arrival (a tenant over its fair share by then is turned away after all, before the
 booking). A wait ends with the request's 429 when its deadline passes, or when a drain
-begins. The proxy waits; the endpoint picker behind Envoy does not (its
-rejections are answered at once). The clock is the gateway's (monotonic seconds).
+begins. The proxy waits in one call (``wait``); the endpoint picker behind Envoy takes it in
+two (``hold``, then ``settle``), so that it can ask Envoy to wait that long first
+(gateway/epp/exchange.py). The clock is the gateway's (monotonic seconds).
 """
 
 from __future__ import annotations
@@ -42,24 +43,43 @@ class DecodeWaits:
         """The decision (booked) once a finished decode admits ``req``, else ``rejection``
         (the queue did not take it, or its wait ended without room). ``screen``: the
         tenants' fair-share check, run before the booking, which may still turn it away."""
-        now = self.clock()
+        held = self.hold(rejection, req, screen)
+        return rejection if held is None else await self.settle(held)
+
+    def hold(
+        self, rejection: Rejection, req: RequestInfo, screen: Screen | None = None
+    ) -> Held | None:
+        """``req`` waits in the decode queue (None: the queue did not take it); ``settle``
+        must follow, which ends the wait however it goes."""
         rid = req.request_id
+        now = self.clock()
         if rid in self._waiting or not self.conductor.park(rejection, req, now):
-            return rejection
+            return None
         parked = self.conductor.decode_queue.entry(rid)
         timeout = parked.deadline_s - now if parked is not None else 0.0
         fut: asyncio.Future[Decision | Rejection | None] = (
             asyncio.get_running_loop().create_future()
         )
         self._waiting[rid] = _Waiting(req, fut, screen)
+        return Held(rejection, rid, max(timeout, 0.0), fut)
+
+    async def settle(self, held: Held) -> Decision | Rejection:
+        """The end of ``held``'s wait: the decision (booked) a finished decode admitted it
+        with, else its rejection (deadline, drain, or the caller cancelled)."""
         try:
-            out = await asyncio.wait_for(fut, max(timeout, 0.0))
+            out = await asyncio.wait_for(held.future, held.timeout_s)
         except TimeoutError:
             out = None
+        except asyncio.CancelledError:
+            # Cancelled just after a release booked it: nobody will serve it, close the books.
+            f = held.future
+            if f.done() and not f.cancelled() and isinstance(f.result(), Decision):
+                self.conductor.failed(held.request_id, self.clock())
+            raise
         finally:
-            self._waiting.pop(rid, None)
-            self.conductor.unpark(rid)
-        return rejection if out is None else out
+            self._waiting.pop(held.request_id, None)
+            self.conductor.unpark(held.request_id)
+        return held.rejection if out is None else out
 
     def decode_done(self, now: float) -> None:
         """A decode finished: end the waits that are over, admit at most one request. Runs
@@ -96,6 +116,16 @@ class DecodeWaits:
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None and not waiting.future.done():
             waiting.future.set_result(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A request waiting in the decode queue: at most ``timeout_s`` from when it was held."""
+
+    rejection: Rejection
+    request_id: str
+    timeout_s: float
+    future: asyncio.Future[Decision | Rejection | None]
 
 
 @dataclass(slots=True)

@@ -39,6 +39,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fallback endpoints after the pick, for Envoy's override_host policy (0: none, "
         "for an ORIGINAL_DST cluster, which takes one endpoint)",
     )
+    p.add_argument(
+        "--message-timeout-s",
+        type=float,
+        default=10.0,
+        help="Envoy's ext_proc message_timeout, which a pick keeps to (default 10)",
+    )
+    p.add_argument(
+        "--max-message-timeout-s",
+        type=float,
+        default=120.0,
+        help="Envoy's ext_proc max_message_timeout (default 120, as the generated config): a "
+        "request turned away on its TBT check waits for decode room at most this minus "
+        "--message-timeout-s, Envoy's timer extended meanwhile; 0: no waiting behind Envoy",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -65,6 +79,7 @@ async def _run(args: argparse.Namespace, settings) -> int:
         health_port=args.health_port,
         metrics_port=args.metrics_port,
         fallbacks=args.fallbacks,
+        timeouts=args.timeouts,
     )
     n = len(settings.instances())
     extra = f", metrics on :{epp.metrics_port}" if epp.metrics_port else ""
@@ -92,6 +107,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.fallbacks < 0:
         print("kvgate epp: --fallbacks must be >= 0", file=sys.stderr)
+        return 2
+    from gateway.epp.protocol import MessageTimeouts
+
+    try:
+        args.timeouts = MessageTimeouts(args.message_timeout_s, args.max_message_timeout_s)
+    except ValueError as exc:
+        print(f"kvgate epp: --message-timeout-s / --max-message-timeout-s: {exc}", file=sys.stderr)
         return 2
     try:
         settings = load_settings(args.config)

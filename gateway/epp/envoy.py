@@ -31,7 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.epp.protocol import DESTINATION_HEADER, EXT_PROC_SERVICE, LB_NAMESPACE, SERVED_HEADER
+from gateway.epp.protocol import (
+    DESTINATION_HEADER,
+    EXT_PROC_SERVICE,
+    LB_NAMESPACE,
+    SERVED_HEADER,
+    MessageTimeouts,
+)
 
 _T = "type.googleapis.com/envoy."
 
@@ -74,9 +80,10 @@ def envoy_config(
     fail_open: bool = False,
     admin_port: int | None = None,
     retries: int = 1,
-    message_timeout_s: float = 10.0,
+    timeouts: MessageTimeouts | None = None,
 ) -> dict[str, Any]:
     """Envoy's bootstrap config (JSON-able; Envoy reads YAML or JSON)."""
+    t = timeouts or MessageTimeouts()
     request_body = "BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED"
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -85,7 +92,9 @@ def envoy_config(
             "grpc_service": {"envoy_grpc": {"cluster_name": "kvgate_epp"}, "timeout": "10s"},
             "failure_mode_allow": fail_open,
             # A pick may wait for a prefix pull (replication.timeout_s); the default is 200 ms.
-            "message_timeout": f"{message_timeout_s}s",
+            "message_timeout": f"{t.message_s}s",
+            # ... or for decode room: the picker then extends the timer up to this.
+            "max_message_timeout": f"{t.max_message_s}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",

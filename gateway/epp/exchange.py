@@ -6,6 +6,10 @@ Request side, as Envoy's ``protocol_config`` says (its first message):
   has ended; then the pick goes out on it, and the body is handed back as streamed chunks.
 - ``BUFFERED``: headers are answered at once, the pick rides on the body answer.
 - a request without a body (end of stream on its headers) is picked from its headers.
+A request that waits for decode room (the picker's ``Waiting``) first gets Envoy's message
+timeout extended (``override_message_timeout``: Envoy's ``max_message_timeout`` must allow it);
+``handle`` returns that alone and ``resume`` the answer once the wait ended (the server calls it
+while ``waiting``).
 Response side: headers get kvgate's decision headers; each body chunk is observed and passed
 on (streamed back in duplex mode, a plain continue otherwise); the end closes the books. A
 stream that ends before the answer did (client gone, upstream reset, Envoy's timeout) closes
@@ -14,14 +18,23 @@ them as failed: in-flight work always returns to zero.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 
 from gateway.epp import protocol as pr
-from gateway.epp.picker import Flight, Immediate, Outcome, Passthrough, Picker
+from gateway.epp.picker import (
+    Flight,
+    Immediate,
+    Outcome,
+    Passthrough,
+    Picker,
+    Settled,
+    Waiting,
+)
 
 Replies = Iterator[ext.ProcessingResponse]
+Answer = Callable[[Settled], list[ext.ProcessingResponse]]
 
 
 class Exchange:
@@ -34,10 +47,25 @@ class Exchange:
         self.size = 0
         self.outcome: Outcome | None = None
         self.response_ended = False
+        self._held: tuple[Waiting, Answer] | None = None  # a pick waiting for decode room
 
     @property
     def flight(self) -> Flight | None:
         return self.outcome if isinstance(self.outcome, Flight) else None
+
+    @property
+    def waiting(self) -> bool:
+        """The last pick waits for decode room: ``resume`` gives its answer."""
+        return self._held is not None
+
+    async def resume(self) -> list[ext.ProcessingResponse]:
+        assert self._held is not None
+        waiting, answer = self._held
+        try:
+            self.outcome = await self.picker.settle(waiting)
+        finally:
+            self._held = None
+        return answer(self.outcome)
 
     async def handle(self, req: ext.ProcessingRequest) -> list[ext.ProcessingResponse]:
         """The answers to one message from Envoy (none while a duplex request is held)."""
@@ -64,7 +92,7 @@ class Exchange:
     async def _request_headers(self, h: ext.HttpHeaders) -> list[ext.ProcessingResponse]:
         self.headers = pr.header_map(h)
         if h.end_of_stream:  # nothing more will come: pick now
-            return [self._headers_answer(await self._pick())]
+            return await self._pick(lambda outcome: [self._headers_answer(outcome)])
         if self.request_mode == pr.FULL_DUPLEX:
             return []  # held until the body has ended
         return [pr.continue_request_headers()]
@@ -80,7 +108,9 @@ class Exchange:
             if self.request_mode == pr.FULL_DUPLEX:
                 return []
             return [pr.continue_request_body()]  # STREAMED: each chunk is answered
-        outcome = await self._pick()
+        return await self._pick(self._body_answer)
+
+    def _body_answer(self, outcome: Settled) -> list[ext.ProcessingResponse]:
         if isinstance(outcome, Immediate):
             return [pr.immediate(outcome.status, outcome.body, outcome.headers)]
         endpoints, extra = _route(outcome)
@@ -98,23 +128,32 @@ class Exchange:
         trailers = pr.continue_trailers(request=True)
         if self.outcome is not None or self.request_mode != pr.FULL_DUPLEX:
             return [trailers]
-        outcome = await self._pick()
-        if isinstance(outcome, Immediate):
-            return [pr.immediate(outcome.status, outcome.body, outcome.headers)]
-        endpoints, extra = _route(outcome)
-        raw, self.body = b"".join(self.body), []
-        return [
-            pr.routed_headers_response(endpoints, extra),
-            *pr.streamed_chunks(raw, False, request=True),
-            trailers,
-        ]
 
-    async def _pick(self) -> Outcome:
+        def answer(outcome: Settled) -> list[ext.ProcessingResponse]:
+            if isinstance(outcome, Immediate):
+                return [pr.immediate(outcome.status, outcome.body, outcome.headers)]
+            endpoints, extra = _route(outcome)
+            raw, self.body = b"".join(self.body), []
+            return [
+                pr.routed_headers_response(endpoints, extra),
+                *pr.streamed_chunks(raw, False, request=True),
+                trailers,
+            ]
+
+        return await self._pick(answer)
+
+    async def _pick(self, answer: Answer) -> list[ext.ProcessingResponse]:
+        """Pick, and ``answer`` the outcome; a pick that waits answers later (``resume``),
+        after Envoy was asked to wait that long."""
         raw = b"".join(self.body)
-        self.outcome = await self.picker.pick(self.headers.get(":path", "/"), self.headers, raw)
-        return self.outcome
+        outcome = await self.picker.pick(self.headers.get(":path", "/"), self.headers, raw)
+        self.outcome = outcome
+        if isinstance(outcome, Waiting):
+            self._held = (outcome, answer)
+            return [pr.extend_message_timeout(self.picker.envoy_wait_s(outcome))]
+        return answer(outcome)
 
-    def _headers_answer(self, outcome: Outcome) -> ext.ProcessingResponse:
+    def _headers_answer(self, outcome: Settled) -> ext.ProcessingResponse:
         if isinstance(outcome, Immediate):
             return pr.immediate(outcome.status, outcome.body, outcome.headers)
         endpoints, extra = _route(outcome)

@@ -10,6 +10,11 @@ the books from what Envoy shows of the answer: its first body chunk is the obser
 SSE ``data:`` lines count tokens, usage and cache reports come from the answer's last
 chunks, and the end (or the stream breaking off) closes the books.
 
+A request turned away on its TBT check may wait for decode room as under `kvgate serve`
+(gateway/decode_waits.py): ``pick`` then returns ``Waiting``, the exchange asks Envoy to
+extend its message timeout for that long (``envoy_wait_s``), and ``settle`` gives the outcome
+once a finished decode admitted it or its wait ended (its 429 then).
+
 Not supported here (docs/epp.md): P/D pools (the picker refuses such a config), llama.cpp
 slot pinning (it rewrites the body), retries on another engine after the answer started.
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from backends.legs import Failure
@@ -29,13 +34,15 @@ from gateway.answers import (
     rejection_response,
     usable_request_id,
 )
+from gateway.decode_waits import Held
 from gateway.doomed_warmups import DoomedWarmups
+from gateway.epp.protocol import MessageTimeouts
 from gateway.learning import DecisionRecord
 from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body
 from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
 from gateway.runtime import Gateway
 from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
-from routing.types import Decision, Rejection
+from routing.types import Decision, Rejection, RejectReason
 
 Pairs = list[tuple[bytes, bytes]]
 _PLACED_PATHS = (COMPLETIONS, CHAT)
@@ -82,7 +89,18 @@ class Passthrough:
     endpoints: list[str]
 
 
-Outcome = Flight | Immediate | Passthrough
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Turned away on its TBT check, held in the decode queue: ``Picker.settle`` gives its
+    outcome."""
+
+    parsed: ParsedRequest
+    path: str
+    held: Held
+
+
+Settled = Flight | Immediate | Passthrough  # what the exchange answers Envoy with
+Outcome = Settled | Waiting
 
 
 def endpoint_of(url: str) -> str:
@@ -102,11 +120,14 @@ def endpoint_of(url: str) -> str:
 class Picker:
     """The pick and the books of every request Envoy sends, for one Gateway."""
 
-    def __init__(self, gw: Gateway, fallbacks: int = 1) -> None:
+    def __init__(
+        self, gw: Gateway, fallbacks: int = 1, timeouts: MessageTimeouts | None = None
+    ) -> None:
         if fallbacks < 0:
             raise ValueError("fallbacks must be >= 0")
         self.gw = gw
         self.fallbacks = fallbacks
+        self.timeouts = timeouts or MessageTimeouts()  # Envoy's: a wait keeps inside them
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self._endpoints: dict[str, str] = {}  # engine URL -> ip:port
 
@@ -187,8 +208,33 @@ class Picker:
         decision = gw.conductor.schedule(parsed.info, now)
         if isinstance(decision, Decision):
             gw.conductor.dispatched(decision, parsed.info, now)
-        decision_s = time.perf_counter() - t0
-        gw.metrics.decision.observe(decision_s)
+        gw.metrics.decision.observe(time.perf_counter() - t0)
+        if (
+            isinstance(decision, Rejection)
+            and decision.reason is RejectReason.TBT_SLO
+            and self.timeouts.max_wait_s > 0
+        ):
+            # It may wait for decode room (gateway/decode_waits.py) instead of a 429 now.
+            held = gw.decode_waits.hold(decision, parsed.info)
+            if held is not None:
+                held = replace(held, timeout_s=min(held.timeout_s, self.timeouts.max_wait_s))
+                return Waiting(parsed, path, held)
+        return await self._answer(parsed, path, decision)
+
+    def envoy_wait_s(self, w: Waiting) -> float:
+        """The message timeout to ask Envoy for while ``w`` waits: its wait, then the pick."""
+        return w.held.timeout_s + self.timeouts.message_s
+
+    async def settle(self, w: Waiting) -> Flight | Immediate:
+        """``w``'s outcome once its wait ended: placed (booked by the release), or its 429."""
+        decision = await self.gw.decode_waits.settle(w.held)
+        return await self._answer(w.parsed, w.path, decision)
+
+    async def _answer(
+        self, parsed: ParsedRequest, path: str, decision: Decision | Rejection
+    ) -> Flight | Immediate:
+        """The rejection's answer, or the booked decision's flight."""
+        gw, rid = self.gw, parsed.info.request_id
         if isinstance(decision, Rejection):
             if decision.warmup is not None:  # the gateway sends it itself, not through Envoy
                 self.warmups.start(decision, parsed, path)

@@ -13,12 +13,13 @@ and the pick rides on the body answer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # The endpoint that served, as the proxy reports it (GIE; our Envoy config adds it to answers)
@@ -32,6 +33,30 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 
 Headers = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageTimeouts:
+    """Envoy's ext_proc ``message_timeout`` and ``max_message_timeout``, in seconds: the
+    Envoy config is written with them (gateway/epp/envoy.py) and the picker keeps to them. A
+    pick answers within ``message_s`` (Envoy's default 200 ms is too short for one that waits
+    on a prefix pull); one that waits for decode room first asks Envoy for up to
+    ``max_message_s``, so it waits at most ``max_wait_s`` (0 or less: it never waits)."""
+
+    message_s: float = 10.0
+    max_message_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.message_s > 0:
+            raise ValueError(f"message timeout must be > 0 s, got {self.message_s}")
+        if self.max_message_s < 0:
+            raise ValueError(f"max message timeout must be >= 0 s, got {self.max_message_s}")
+
+    @property
+    def max_wait_s(self) -> float:
+        return self.max_message_s - self.message_s
+
+
 HeaderPairs = Iterable[tuple[bytes | str, bytes | str]]
 
 
@@ -157,3 +182,12 @@ def immediate(status: int, body: bytes, headers: HeaderPairs = ()) -> ext.Proces
             details="kvgate_epp",
         )
     )
+
+
+def extend_message_timeout(seconds: float) -> ext.ProcessingResponse:
+    """Ask Envoy to restart the current message's timer with ``seconds`` (a pick that waits
+    for decode room). Envoy takes it only up to the filter's ``max_message_timeout`` and
+    otherwise ignores it (its ``override_message_timeout_ignored`` counter)."""
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(max(1, round(seconds * 1000)))
+    return ext.ProcessingResponse(override_message_timeout=d)

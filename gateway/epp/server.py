@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
-from gateway.epp.protocol import EXT_PROC_SERVICE
+from gateway.epp.protocol import EXT_PROC_SERVICE, MessageTimeouts
 from gateway.runtime import Gateway
 
 log = logging.getLogger("kvgate.epp")
@@ -52,6 +52,9 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):
             async for req in request_iterator:
                 for reply in await exchange.handle(req):
                     yield reply
+                while exchange.waiting:  # Envoy's timer is extended: now the wait
+                    for reply in await exchange.resume():
+                        yield reply
         except Exception:  # a bug must not leave the books open; Envoy sees the stream fail
             log.exception("ext_proc stream failed")
             exchange.close("failed")
@@ -114,12 +117,13 @@ async def start_epp(
     health_port: int | None = None,
     metrics_port: int | None = None,
     fallbacks: int = 1,
+    timeouts: MessageTimeouts | None = None,
 ) -> EppServer:
     """Starts the gateway's background work and the servers (port 0: an ephemeral port).
     ``health_port`` None: health is served on the ext_proc port (Envoy's check of the
     ext_proc cluster uses that); a separate one for Kubernetes probes is optional."""
     await gw.startup()
-    picker = Picker(gw, fallbacks)
+    picker = Picker(gw, fallbacks, timeouts)
     unresolved = picker.resolve_all()
     if unresolved:  # tried again when picked; a pick that still fails is Envoy's 500
         log.warning("engine host names not resolved yet: %s", ", ".join(unresolved))

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from gateway.epp.envoy import envoy_config, start_envoy
+from gateway.epp.protocol import MessageTimeouts
 from gateway.epp.server import EppServer, start_epp
 from gateway.runtime import Gateway
 from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
@@ -39,6 +40,7 @@ class EppStackSpec:
     kv_events: bool = True
     fail_open: bool = False
     fallbacks: int = 1
+    timeouts: MessageTimeouts = field(default_factory=MessageTimeouts)  # Envoy's, and the picker's
     workdir: Path = Path("/tmp/epp")
     base: Settings = field(default_factory=Settings)
 
@@ -103,7 +105,7 @@ class EppStack:
             server=replace(base.server, health_interval_s=min(base.server.health_interval_s, 0.5)),
         )
         self.gateway = Gateway(self.settings)
-        self.epp = await start_epp(self.gateway, port=0, fallbacks=s.fallbacks)
+        self.epp = await start_epp(self.gateway, port=0, fallbacks=s.fallbacks, timeouts=s.timeouts)
         self.epp_port = self.epp.port
         await self.start_envoy()
 
@@ -120,6 +122,7 @@ class EppStack:
             engines=engines,
             fail_open=self.spec.fail_open,
             retries=max(1, self.spec.fallbacks),
+            timeouts=self.spec.timeouts,
         )
         self.envoy = start_envoy(config, self.spec.workdir)
         await self._wait_envoy(30.0)

@@ -179,3 +179,33 @@ def test_a_failing_release_is_logged_not_passed_to_the_finishing_request(caplog)
     for hook in c.after_finished:  # as Conductor.finished runs them: nothing raised
         hook(1.0)
     assert "releasing a waiting request failed" in caplog.text
+
+
+def test_a_wait_cancelled_just_after_its_release_leaves_no_booking_behind() -> None:
+    """The client went away in the instant between the release (which booked the request)
+    and its handler going on. Python >= 3.12 delivers the cancellation: the wait takes the
+    booking back. 3.11's ``wait_for`` hands the result over instead (the cancellation is
+    lost), and the caller holds the booking like any decision."""
+    c, waits, clock, req, rej = _setup()
+
+    async def run() -> tuple[Decision | Rejection | None, bool]:
+        held = waits.hold(rej, req)
+        assert held is not None
+        task = asyncio.create_task(waits.settle(held))
+        await asyncio.sleep(0)
+        _free_room(c, 1.0)
+        clock.t = 1.0
+        waits.decode_done(clock.t)
+        assert "r" in c.requests  # booked by the release
+        task.cancel()  # before the handler resumed
+        try:
+            return await task, "r" in c.requests
+        except asyncio.CancelledError:
+            return None, "r" in c.requests
+
+    out, booked = asyncio.run(run())
+    if out is None:
+        assert not booked
+    else:
+        assert isinstance(out, Decision) and booked
+    assert "r" not in c.decode_queue and len(waits) == 0

@@ -204,3 +204,116 @@ def test_concurrent_requests_leave_the_books_at_zero(stack) -> None:
         lambda: sum(len(i.prefill_queue) + len(i.running) for i in gw.conductor.instances.values())
     )
     assert queued == 0
+
+
+def _one_decode_at_a_time(name: str, buffered: bool):
+    """One engine; a TBT SLO that one decode meets and two together do not; Envoy's message
+    timeout 0.5 s (up to 30 s when the picker asks)."""
+    from config.settings import InstanceSettings, PoolSettings, Role, SLOSettings
+    from gateway.epp.protocol import MessageTimeouts
+    from routing.conductor import Conductor
+
+    profile = "llama3-8b-h100-tp1"
+    one_engine = (InstanceSettings(id="x", url="http://127.0.0.1:9", role=Role.BOTH),)
+    probe = replace(
+        Settings(),
+        pools=(PoolSettings("p", Role.BOTH, one_engine),),
+        predictors=replace(Settings().predictors, profile=profile),
+    )
+    step = Conductor(probe).instances["x"].predictors.decode.step_time
+    one, two = step(1, 200), step(2, 200)  # prompts of ~75 tokens: well inside both
+    spec = _spec(name=name, engines=1, time_scale=1.0, profile=profile, fail_open=buffered)
+    spec.base = replace(
+        spec.base,
+        slo=SLOSettings(ttft_s=20.0, tbt_s=(one + two) / 2 / 0.9),  # the normal class keeps 10 %
+        admission=replace(
+            spec.base.admission,
+            tbt_headroom=replace(spec.base.admission.tbt_headroom, adaptive=False),
+        ),
+    )
+    spec.timeouts = MessageTimeouts(message_s=0.5, max_message_s=30.0)
+    return spec
+
+
+def _post(ts, rid: str, max_tokens: int, timeout: float = 30.0) -> tuple[int, bool]:
+    """(status, picked by kvgate); A streams, so the picker sees its first token."""
+    body = {"model": "m", "prompt": "hello " * 50, "max_tokens": max_tokens, "stream": rid == "A"}
+    with Http(ts.url, timeout=timeout) as http:
+        r = http.post("/v1/completions", json=body, headers={"x-request-id": rid})
+    return r.status_code, "x-kvgate-prefill" in r.headers
+
+
+def _start_a(ts) -> tuple[object, dict]:
+    """A long streamed decode (150 tokens, ~1.2 s), running once this returns."""
+    import threading
+    import time
+
+    gw, out = ts.gateway, {}
+
+    def run() -> None:
+        out["A"] = (*_post(ts, "A", 150), time.monotonic())
+
+    a = threading.Thread(target=run)
+    a.start()
+    for _ in range(300):  # until A decodes (its first token went out), bounded
+        rec = ts.call(lambda: gw.conductor.requests.get("A"))
+        if rec is not None and rec.first_token_s is not None:
+            break
+        time.sleep(0.01)
+    return a, out
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["duplex", "buffered"])
+def test_a_request_waits_for_decode_room_behind_envoy_and_is_served(buffered: bool) -> None:
+    """While A decodes, B is turned away on its TBT check and waits in the picker instead of
+    hearing 429; A's end admits it and Envoy forwards it. Envoy times the message a buffered
+    pick answers (0.5 s here; the fail-open config, where a timeout would route B unpicked):
+    the picker extends it (Envoy 1.40 does not time a pick held in duplex mode)."""
+    import time
+
+    require_envoy()
+    with envoy_stack(_one_decode_at_a_time(f"waits-{buffered}", buffered)) as ts:
+        gw = ts.gateway
+        a, out = _start_a(ts)
+        sent_b = time.monotonic()
+        status_b, picked_b = _post(ts, "B", 4)
+        done_b = time.monotonic()
+        a.join(30)
+        queue = ts.call(lambda: gw.conductor.decode_queue)
+        books = ts.wait_books_empty()
+    print(f"B waited {done_b - sent_b:.3f} s; A ended {out['A'][2] - sent_b:.3f} s after B's send")
+    assert out["A"][:2] == (200, True) and (status_b, picked_b) == (200, True)
+    assert done_b >= out["A"][2] - 0.05  # admitted when A's decode ended
+    assert done_b - sent_b > 0.5  # longer than Envoy's message timer: it was extended
+    assert (queue.parked, queue.admitted, queue.expired) == (1, 1, 0)
+    assert books == (0, 0)
+
+
+def test_a_client_that_leaves_while_waiting_leaves_the_queue() -> None:
+    """B's client gives up after 0.3 s: Envoy ends the ext_proc stream, B leaves the decode
+    queue at once, and A's end admits nobody."""
+    import socket
+
+    require_envoy()
+    with envoy_stack(_one_decode_at_a_time("waits-gone", False)) as ts:
+        gw = ts.gateway
+        a, out = _start_a(ts)
+        with pytest.raises((TimeoutError, socket.timeout)):
+            _post(ts, "B", 4, timeout=0.3)
+        left = ts.run(_until(lambda: len(gw.conductor.decode_queue) == 0, 5.0))
+        a.join(30)
+        queue = ts.call(lambda: gw.conductor.decode_queue)
+        books = ts.wait_books_empty()
+    assert left and out["A"][:2] == (200, True)
+    assert (queue.parked, queue.admitted, len(queue)) == (1, 0, 0)
+    assert books == (0, 0)
+
+
+async def _until(cond, timeout_s: float) -> bool:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    return cond()

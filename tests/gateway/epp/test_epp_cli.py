@@ -53,6 +53,21 @@ def test_pd_config_is_refused_with_a_clear_error() -> None:
     assert "not supported by `kvgate epp` yet" in out.stderr
 
 
+def test_a_bad_message_timeout_is_refused_with_a_clear_error() -> None:
+    out = subprocess.run(
+        _kvgate("epp", "--config", str(COLOCATED), "--port", "0", "--message-timeout-s", "0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2
+    assert "--message-timeout-s / --max-message-timeout-s: message timeout must be > 0" in (
+        out.stderr
+    )
+    assert "Traceback" not in out.stderr
+
+
 def test_epp_process_serves_health_and_drains_on_sigterm(tmp_path: Path) -> None:
     grpc = pytest.importorskip("grpc")
     from grpc_health.v1 import health_pb2, health_pb2_grpc
