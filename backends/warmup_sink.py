@@ -15,6 +15,13 @@ only the blocks inside whole blocks of the engine's own size, which is all it ca
 otherwise (llama.cpp) the warm-up's answer showing the whole prefix processed
 (``usage.prompt_tokens``).
 
+Through a connector's store (``publish_on_source``; ``replication_sink = "connector_store"``):
+where the engines' own KV connector shares a store that matches prompts by their tokens (vLLM's
+ExampleConnector directory; LMCacheConnectorV1 with a shared backend), the same warm-up first
+goes to the source, which holds the prefix (a cache hit there) and whose connector writes it
+to the store; the destination's warm-up then loads it from the store instead of computing it.
+A source that cannot be reached only costs that saving: the destination computes the prefix.
+
 A reactive command (a request waiting for its own prefix) is not executed: the request's own
 prefill on the destination computes and caches the same tokens, so a warm-up first could only
 delay it. Contract: backends/replication.py.
@@ -23,6 +30,7 @@ delay it. Contract: backends/replication.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +45,7 @@ from routing.instance_books import InstanceState
 from routing.types import ReplicationCommand
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # worth another try; other 4xx: no
+log = logging.getLogger("kvgate.replication")
 
 
 def has_spare_capacity(inst: InstanceState, now: float, tokens: int, max_queue_s: float) -> bool:
@@ -134,6 +143,7 @@ class WarmupSink:
         poll_s: float = 0.05,
         pin: Callable[[str, str, Sequence[int]], int | None] | None = None,
         unpin: Callable[[str], None] | None = None,
+        publish_on_source: bool = False,
     ) -> None:
         self._session = session
         self._cluster = cluster
@@ -145,6 +155,7 @@ class WarmupSink:
         # llama.cpp: the slot the warm-up fills (the one later requests for the prefix wait for)
         self._pin = pin
         self._unpin = unpin
+        self.publish_on_source = publish_on_source  # the source writes it to the shared store
 
     async def execute(self, cmd: ReplicationCommand) -> ReplicationResult:
         start = time.perf_counter()
@@ -172,6 +183,8 @@ class WarmupSink:
         waiting_for = "the warm-up answer"
         try:
             async with asyncio.timeout(max(deadline - time.perf_counter(), 0.0)):
+                if self.publish_on_source:
+                    await self._publish(cmd, prefix)
                 failure: _Failure | None = None
                 for attempts in range(1, self.max_retries + 2):
                     failure = await self._prefill(url, cmd, prefix)
@@ -200,13 +213,32 @@ class WarmupSink:
             await asyncio.sleep(min(self.poll_s, left))
         return True
 
+    async def _publish(self, cmd: ReplicationCommand, prefix: PrefixTokens) -> None:
+        """The source, which holds the prefix, runs the warm-up first: its connector writes
+        the prefix to the shared store for the destination to load."""
+        url = self._cluster.url(cmd.source)
+        failure = (
+            await self._prefill(url, cmd, prefix, publish=True)
+            if url is not None
+            else _Failure(f"source {cmd.source!r} has no engine URL", retry=False)
+        )
+        if failure is not None:
+            log.warning(
+                "replication %s: the source did not write the prefix to the store (%s); the "
+                "destination computes it",
+                cmd.command_id,
+                failure.error,
+            )
+
     async def _prefill(
-        self, url: str, cmd: ReplicationCommand, prefix: PrefixTokens
+        self, url: str, cmd: ReplicationCommand, prefix: PrefixTokens, publish: bool = False
     ) -> _Failure | None:
-        """One warm-up request; None when the engine answered that it processed the prefix."""
-        rid = f"kvgate-warmup-{cmd.command_id}"
+        """One warm-up request (on the source when ``publish``); None when the engine answered
+        that it processed the prefix."""
+        rid = f"kvgate-{'publish' if publish else 'warmup'}-{cmd.command_id}"
         body = warmup_body(prefix)
-        slot = self._pin(rid, cmd.destination, prefix.block_hashes) if self._pin else None
+        pin = self._pin if not publish else None
+        slot = pin(rid, cmd.destination, prefix.block_hashes) if pin else None
         if slot is not None:
             body["id_slot"] = slot
         try:
@@ -218,7 +250,7 @@ class WarmupSink:
         except (aiohttp.ClientError, ValueError) as exc:
             return _Failure(f"{type(exc).__name__}: {exc}", retry=True)
         finally:
-            if self._unpin is not None:
+            if self._unpin is not None and pin is not None:
                 self._unpin(rid)
         if status != 200:
             return _Failure(f"HTTP {status}: {str(payload)[:300]}", retry=status in _RETRY_STATUS)

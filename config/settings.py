@@ -75,6 +75,10 @@ class ReplicationSink(StrEnum):
     ENGINE = "engine"  # the engine pulls the blocks (/internal/kv/fetch: kvgate's emulator)
     MOONCAKE_STORE = "mooncake_store"
     WARMUP = "warmup"  # a one-token prefill of the prefix on the destination (any engine)
+    # The same, through the store the engines' own KV connector shares (vLLM's ExampleConnector
+    # directory, LMCacheConnectorV1 with a shared backend): the source writes the prefix to it,
+    # the destination loads it from there instead of computing it.
+    CONNECTOR_STORE = "connector_store"
 
 
 def frozen_mapping(data: Mapping[str, Any] | None = None) -> Mapping[str, Any]:

@@ -34,6 +34,9 @@ from gateway.openai import ParsedRequest
 from routing.conductor import Conductor
 from routing.types import Decision, ReplicationCommand, Tier
 
+# Sinks that copy by a warm-up prefill (backends/warmup_sink.py): they need prompts' token ids.
+WARMUP_SINKS = frozenset({ReplicationSink.WARMUP, ReplicationSink.CONNECTOR_STORE})
+
 
 @dataclass(slots=True)
 class ReplicationRecord:
@@ -99,7 +102,7 @@ class Replicator:
         self.log: deque[ReplicationRecord] = deque(maxlen=keep)
         # Token ids of prompts that led to replication, for warm-up copies (no warm-up: None).
         self.prefix_tokens: PrefixTokenStore | None = None
-        if ReplicationSink.WARMUP in self.sink_kinds():
+        if self.sink_kinds() & WARMUP_SINKS:
             now = settings()
             self.prefix_tokens = PrefixTokenStore(
                 now.routing.block_size, now.replication.warmup_prefix_bytes
@@ -151,7 +154,7 @@ class Replicator:
 
     def _build(self, kind: ReplicationSink, session: aiohttp.ClientSession):
         rep = self._settings().replication
-        if kind is ReplicationSink.WARMUP:
+        if kind in WARMUP_SINKS:
             from backends.warmup_sink import ConductorCluster, WarmupSink
 
             assert self.prefix_tokens is not None
@@ -172,6 +175,7 @@ class Replicator:
                 max_retries=rep.max_retries,
                 pin=self.engines.pin,
                 unpin=self.engines.unpin,
+                publish_on_source=kind is ReplicationSink.CONNECTOR_STORE,
             )
         if kind is ReplicationSink.ENGINE:
             from backends.engine_sink import EngineFetchSink

@@ -297,3 +297,35 @@ def test_a_slow_engine_times_out() -> None:
 
     res = asyncio.run(_with_engine(engine, run))
     assert res.outcome is Outcome.TIMEOUT and res.attempts == 1
+
+
+def test_through_a_connector_store_the_source_writes_the_prefix_first() -> None:
+    """``publish_on_source``: the source (a cache hit there) runs the same warm-up first, so
+    that its KV connector writes the prefix to the shared store; then the destination's."""
+    engine = FakeEngine()
+
+    async def run(url, session):
+        cluster = StubCluster({"a": url, "b": url})
+        return await _sink(session, cluster, publish_on_source=True).execute(_cmd())
+
+    res = asyncio.run(_with_engine(engine, run))
+    assert res.outcome is Outcome.OK and res.attempts == 1
+    assert engine.request_ids == ["kvgate-publish-rep-1", "kvgate-warmup-rep-1"]
+    assert engine.bodies[0] == engine.bodies[1] == warmup_body(_store().lookup(HASHES[-1]))
+
+
+@pytest.mark.parametrize("source_known", [True, False])
+def test_a_source_that_cannot_write_to_the_store_leaves_the_destination_to_compute(
+    source_known: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = FakeEngine(replies=[(500, {"error": "boom"}, 0.0)] if source_known else [])
+
+    async def run(url, session):
+        urls = {"a": url, "b": url} if source_known else {"b": url}
+        return await _sink(session, StubCluster(urls), publish_on_source=True).execute(_cmd())
+
+    res = asyncio.run(_with_engine(engine, run))
+    assert res.outcome is Outcome.OK  # the destination computed it
+    expected = ["kvgate-publish-rep-1"] if source_known else []
+    assert engine.request_ids == [*expected, "kvgate-warmup-rep-1"]  # the publish: one try
+    assert "the source did not write the prefix to the store" in caplog.text

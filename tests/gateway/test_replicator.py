@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import aiohttp
+
 from backends.replication import DryRunSink, Outcome, ReplicationResult
 from config.settings import (
     InstanceSettings,
@@ -54,6 +56,22 @@ def test_sink_kind_is_the_destination_pools_else_the_default() -> None:
     assert rep.sink_kind("b0") is ReplicationSink.WARMUP
     assert rep.sink_kinds() == {ReplicationSink.DRY_RUN, ReplicationSink.WARMUP}
     assert rep.prefix_tokens is not None  # a warm-up pool needs the prompts' token ids
+
+
+def test_a_connector_store_pool_gets_a_warmup_sink_that_publishes_on_the_source() -> None:
+    from backends.warmup_sink import WarmupSink
+
+    rep, _ = _replicator(_settings(ReplicationSink.CONNECTOR_STORE, None))
+    assert rep.prefix_tokens is not None  # it copies by a warm-up: it needs token ids
+
+    async def run() -> object:
+        async with aiohttp.ClientSession() as session:
+            await rep.start(session)
+            return rep.sink
+
+    sink = asyncio.run(run())
+    assert isinstance(sink, WarmupSink) and sink.publish_on_source
+    assert rep.sink_kind("b0") is ReplicationSink.CONNECTOR_STORE
 
 
 def test_a_dry_run_records_and_releases_every_command() -> None:

@@ -53,12 +53,20 @@ def start_pair(
     ports: Sequence[int],
     args: tuple[Sequence[str], Sequence[str]],
     envs: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {}),
+    kv_events: tuple[str | None, str | None] = (None, None),
+    timeout_s: float = 180,
 ) -> tuple[EngineProcess, EngineProcess]:
-    """(prefill, decode) with their own engine args and env, started together (~40-60 s each
-    on 2 cores); both or neither."""
+    """(prefill, decode) -- or any two -- with their own engine args, env and KV-events
+    endpoint, started together (~40-60 s each on 2 cores); both or neither."""
 
     def start(i: int) -> EngineProcess:
-        return start_vllm(ports[i], env=envs[i], extra_args=args[i])
+        return start_vllm(
+            ports[i],
+            env=envs[i],
+            extra_args=args[i],
+            kv_events_endpoint=kv_events[i],
+            timeout_s=timeout_s,
+        )
 
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(start, 0), pool.submit(start, 1)]

@@ -31,8 +31,6 @@ from config.settings import (
     Role,
     Settings,
 )
-from gateway.openai import parse_request
-from gateway.runtime import Gateway
 from routing.conductor import Conductor
 from routing.hashing import BlockHasher
 from routing.tokenizer import pack_token_ids
@@ -45,6 +43,7 @@ from tests.real.engines import (
     start_vllm,
     stop_engine,
 )
+from tests.real.replication_harness import complete, copy_hot_prefix, vllm_metric
 
 pytestmark = pytest.mark.real_engine
 
@@ -59,15 +58,6 @@ def _ids(seed: int, n: int) -> list[int]:
 
 
 PREFIX = _ids(1, PREFIX_TOKENS)
-
-
-def _complete(url: str, prompt: list[int]) -> dict[str, Any]:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-    req = urllib.request.Request(
-        url + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
 
 
 def _cached_total(url: str) -> float:
@@ -109,7 +99,7 @@ def _settings(src: EngineProcess, dst: EngineProcess) -> Settings:
 
 def _make_hot(src: EngineProcess) -> list[dict[str, Any]]:
     """Requests that share the prefix, sent to the first engine only."""
-    answers = [_complete(src.url, PREFIX + _ids(10 + i, 40)) for i in range(3)]
+    answers = [complete(src.url, PREFIX + _ids(10 + i, 40)) for i in range(3)]
     assert answers[0]["timings"]["cache_n"] == 0
     for later in answers[1:]:
         assert later["timings"]["cache_n"] >= PREFIX_TOKENS  # hot on the first engine
@@ -133,7 +123,7 @@ def _command(hashes: tuple[int, ...]) -> ReplicationCommand:
 def test_warmup_sink_copies_a_hot_prefix_to_a_second_llama_server(llama_pair) -> None:
     src, dst = llama_pair
     _make_hot(src)
-    cold = _complete(dst.url, _ids(99, PREFIX_TOKENS + 40))  # a cold prompt of the same size
+    cold = complete(dst.url, _ids(99, PREFIX_TOKENS + 40))  # a cold prompt of the same size
     hits_before = _cached_total(dst.url)
     probe_before = _ids(20, 40)
 
@@ -160,7 +150,7 @@ def test_warmup_sink_copies_a_hot_prefix_to_a_second_llama_server(llama_pair) ->
     assert result.ok, result
     assert result.bytes == PREFIX_TOKENS  # 1 byte per token here: the tokens it prefilled
 
-    after = _complete(dst.url, PREFIX + probe_before)
+    after = complete(dst.url, PREFIX + probe_before)
     hits_after = _cached_total(dst.url)
     assert after["timings"]["cache_n"] >= PREFIX_TOKENS
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] >= PREFIX_TOKENS
@@ -186,49 +176,12 @@ def test_gateway_replicates_through_the_pools_warmup_sink(llama_pair) -> None:
     settings = _settings(src, dst)
     settings = replace(settings, replication=replace(settings.replication, hot_rate_per_s=0.01))
 
-    async def run() -> tuple[dict[str, object], bool, bool]:
-        gw = Gateway(settings)
-        await gw.startup()
-        try:
-            now = gw.clock()
-            parsed = parse_request(
-                "/v1/completions",
-                raw,
-                {},
-                "req-1",
-                now,
-                settings=gw.settings,
-                encoder=gw.prompt_encoder,
-                hasher=gw.hasher,
-            )
-            hashes = parsed.info.block_hashes
-            conductor = gw.conductor
-            src_state, dst_state = conductor.instances["src"], conductor.instances["dst"]
-            # The first engine holds the prefix and is the bottleneck (queue past the threshold).
-            conductor.index.record_route("src", hashes, now)
-            src_state.enqueue_prefill("busy", 5.0, 4000, now, now)
-            match = conductor.index.match(hashes, now)
-            cmd = conductor.planner.proactive(
-                parsed.info, match, [dst_state, src_state], conductor.instances, 1.0, None, now
-            )
-            assert cmd is not None and cmd.destination == "dst"
-            held_before = conductor.index.holds("dst", cmd.prefix_key)
-            # what the proxy does with a decision that carries commands
-            gw.replicator.remember_prompt("/v1/completions", parsed)
-            assert gw.replicator.execute((cmd,)) == []  # proactive: nobody waits for it
-            for _ in range(600):
-                if gw.replicator.log[-1].state != "in_flight":
-                    break
-                await asyncio.sleep(0.1)
-            return gw.replicator.log[-1], held_before, conductor.index.holds("dst", cmd.prefix_key)
-        finally:
-            await gw.shutdown()
-
-    entry, held_before, held_after = asyncio.run(run())
+    entry, cmd, conductor = asyncio.run(copy_hot_prefix(settings, raw, engine_block=None))
+    held_after = conductor.index.holds("dst", cmd.prefix_key)
     assert entry.sink == "warmup"
     assert entry.state == "confirmed", entry
-    assert not held_before and held_after
-    after = _complete(dst.url, PREFIX + _ids(21, 40))
+    assert held_after  # held_before was False (copy_hot_prefix checks)
+    after = complete(dst.url, PREFIX + _ids(21, 40))
     assert after["timings"]["cache_n"] >= PREFIX_TOKENS
     assert _cached_total(dst.url) - hits_before >= PREFIX_TOKENS
     print(
@@ -244,15 +197,6 @@ VLLM_BLOCK = 32
 # kvgate's last block can never be confirmed by its events and must not be waited for.
 VLLM_PREFIX = [random.Random(5).randrange(100, VLLM_VOCAB_HI) for _ in range(33 * BS)]
 VLLM_CACHEABLE = len(VLLM_PREFIX) // VLLM_BLOCK * VLLM_BLOCK
-
-
-def _vllm_metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in resp.read().decode().splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")
-        )
 
 
 @pytest.fixture
@@ -286,60 +230,19 @@ def test_warmup_on_vllm_is_confirmed_by_its_kv_events(vllm_destination) -> None:
     )
     prompt = VLLM_PREFIX + [7] * 8  # a partial block past the prefix: never cached
     raw = json.dumps({"model": dst.model, "prompt": prompt, "max_tokens": 4}).encode()
-    hits_before = _vllm_metric(dst.url, "vllm:prefix_cache_hits_total")
+    hits_before = vllm_metric(dst.url, "vllm:prefix_cache_hits_total")
 
-    async def run() -> tuple[dict[str, object], bool, bool]:
-        gw = Gateway(settings)
-        await gw.startup()
-        try:
-            load = None
-            for _ in range(100):  # the KV-event subscriber connects; a scrape reads the layout
-                await asyncio.sleep(0.1)
-                load = gw.scraper.latest("dst", gw.clock()) if gw.scraper else None
-                if load is not None and load.block_size is not None:
-                    break
-            assert load is not None and load.block_size == VLLM_BLOCK
-            now = gw.clock()
-            parsed = parse_request(
-                "/v1/completions",
-                raw,
-                {},
-                "req-1",
-                now,
-                settings=gw.settings,
-                encoder=gw.prompt_encoder,
-                hasher=gw.hasher,
-            )
-            conductor = gw.conductor
-            src_state, dst_state = conductor.instances["src"], conductor.instances["dst"]
-            conductor.index.record_route("src", parsed.info.block_hashes, now)
-            src_state.enqueue_prefill("busy", 5.0, 4000, now, now)
-            match = conductor.index.match(parsed.info.block_hashes, now)
-            cmd = conductor.planner.proactive(
-                parsed.info, match, [dst_state, src_state], conductor.instances, 1.0, None, now
-            )
-            assert cmd is not None and cmd.destination == "dst"
-            assert cmd.tokens == len(VLLM_PREFIX) and len(cmd.block_hashes) == 33
-            gw.replicator.remember_prompt("/v1/completions", parsed)
-            gw.replicator.execute((cmd,))
-            for _ in range(600):
-                if gw.replicator.log[-1].state != "in_flight":
-                    break
-                await asyncio.sleep(0.1)
-            index = conductor.index
-            confirmed = all(
-                index.holds("dst", h) and not index.is_predicted("dst", h)
-                for h in cmd.block_hashes[: VLLM_CACHEABLE // BS]
-            )
-            return gw.replicator.log[-1], confirmed, index.holds("src", cmd.prefix_key)
-        finally:
-            await gw.shutdown()
-
-    entry, confirmed, _ = asyncio.run(run())
+    entry, cmd, conductor = asyncio.run(copy_hot_prefix(settings, raw, engine_block=VLLM_BLOCK))
+    assert cmd.tokens == len(VLLM_PREFIX) and len(cmd.block_hashes) == 33
+    index = conductor.index
+    confirmed = all(
+        index.holds("dst", h) and not index.is_predicted("dst", h)
+        for h in cmd.block_hashes[: VLLM_CACHEABLE // BS]
+    )
     assert entry.state == "confirmed", entry
     assert confirmed
-    after = _complete(dst.url, VLLM_PREFIX + [9] * 40)
-    hits_after = _vllm_metric(dst.url, "vllm:prefix_cache_hits_total")
+    after = complete(dst.url, VLLM_PREFIX + [9] * 40)
+    hits_after = vllm_metric(dst.url, "vllm:prefix_cache_hits_total")
     assert hits_after - hits_before >= VLLM_CACHEABLE
     print(
         f"\nvLLM warm-up of {entry.tokens} tokens: {float(entry.latency_s) * 1e3:.1f} ms "
