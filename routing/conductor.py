@@ -7,7 +7,8 @@ TBT check may wait for decode room (``park``, routing/parked_requests.py); ``rej
 answers the rejections that need no prompt tokens (routing/hopeless.py). ``dispatched`` commits
 a decision; the event methods (the request's progress in routing/request_progress.py, the
 KV view's in routing/cache_view_events.py, instance add/drain/remove/health here) keep the
-books true to what happened. The eligible pools per model live in routing/fleet_pools.py.
+books true to what happened, as do the instance changes (add, drain, health, remove:
+routing/fleet_membership.py). The eligible pools per model live in routing/fleet_pools.py.
 Time is always an argument; nothing here does I/O or reads a clock.
 """
 
@@ -16,9 +17,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import replace
-from operator import attrgetter
 
-from config.settings import AdmissionMode, InstanceSettings, PDProtocol, Role, Settings
+from config.settings import AdmissionMode, Settings
 from predictors.bundle import InstancePredictors, build_instance_predictors
 from predictors.output_length import OutputLengthPredictor
 from routing.admission import (
@@ -35,6 +35,7 @@ from routing.decode_placement import place_decode, tbt_fallback
 from routing.decode_queue import DecodeQueue
 from routing.doomed_warmup import plan_warmup
 from routing.estimates import STORE_SOURCE, PrefillOption, TTFTEstimator
+from routing.fleet_membership import FleetMembership
 from routing.fleet_pools import FleetPools, ModelPools
 from routing.hopeless import hopeless_rejection
 from routing.hotspot import HotspotPlanner
@@ -55,10 +56,8 @@ from routing.types import (
 PredictorFactory = Callable[[str | None], InstancePredictors]
 __all__ = ["Conductor", "PredictorFactory", "RequestRecord"]
 
-_BIT_ORDER = attrgetter("bit_order")
 
-
-class Conductor(RequestProgress, CacheViewEvents, ParkedRequests):
+class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembership):
     def __init__(
         self,
         settings: Settings,
@@ -129,70 +128,6 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests):
                 self._refresh_pools()  # a new policy learns the fleet it places on
         if old is None or not hasattr(self, "planner") or old.replication != settings.replication:
             self.planner = HotspotPlanner(settings.replication, settings.routing.block_size)
-
-    def add_instance(self, spec: InstanceSettings) -> InstanceState:
-        if spec.id in self.instances:
-            raise ValueError(f"instance {spec.id!r} already exists")
-        model = self.settings.served_model(spec.model) if spec.model else None
-        preds = self._predictors_for(spec.profile or (model.profile if model else None))
-        capacity = spec.capacity_tokens or preds.profile.kv_capacity_tokens
-        inst = InstanceState(
-            id=spec.id,
-            role=spec.role,
-            predictors=preds,
-            capacity_tokens=capacity,
-            max_batch=spec.max_batch,
-            bit_order=self._order,
-            model=spec.model,
-            decode_after_prefill=spec.protocol is not PDProtocol.SGLANG,
-        )
-        self._order += 1
-        self.instances[spec.id] = inst
-        if inst.does_prefill:
-            self.index.add_instance(
-                spec.id,
-                max(capacity // self.block_size, 1),
-                spec.host_capacity_tokens // self.block_size,
-            )
-        self._refresh_pools()
-        return inst
-
-    def drain_instance(self, instance_id: str, draining: bool = True) -> None:
-        self.instances[instance_id].draining = draining
-        self._refresh_pools()
-
-    def set_health(self, instance_id: str, healthy: bool) -> None:
-        inst = self.instances.get(instance_id)
-        if inst is not None and inst.healthy != healthy:
-            inst.healthy = healthy
-            self._refresh_pools()
-
-    def remove_instance(self, instance_id: str, now: float) -> list[str]:
-        """Forget an instance; returns the ids of requests that were on it (now failed)."""
-        inst = self.instances.pop(instance_id)
-        affected = [r for r in inst.clear_work() if r in self.requests]  # not peer replicas'
-        for rid in affected:
-            self._drop(rid, now)
-        if inst.does_prefill:
-            self.index.remove_instance(instance_id)
-        self._event_fed.discard(instance_id)
-        self.planner.forget_instance(instance_id)
-        self._refresh_pools(now)
-        return affected
-
-    def _refresh_pools(self, now: float | None = None) -> None:
-        if now is not None:
-            self._last_now = max(self._last_now, now)
-        self.pools.refresh(self.instances.values())
-        # Registration order for the policy's own grouping, whatever the pools' tie rotation.
-        both = sorted((i for i in self.pools.fleet.prefill if i.role is Role.BOTH), key=_BIT_ORDER)
-        self.policy.on_fleet_change(both, self._last_now)
-
-    def rotate_ties(self, rotation: int) -> None:
-        """Break placement ties starting at the ``rotation``-th eligible instance of each
-        pool instead of the first (a gateway replica's rank: routing/fleet_pools.py)."""
-        self.pools.rotation = max(0, rotation)
-        self._refresh_pools()
 
     # ------------------------------------------------------------------ decisions
     def schedule(

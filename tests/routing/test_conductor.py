@@ -186,25 +186,6 @@ def test_per_request_slo_override_is_clamped_to_operator_limits() -> None:
     assert d.slo_tbt_s == 0.005  # min_tbt_s
 
 
-def test_no_healthy_instance_is_a_503_rejection() -> None:
-    c = make_conductor()
-    for p in ("p0", "p1", "p2"):
-        c.set_health(p, False)
-    _, r = decide(c, "r", prompt(1, 8))
-    assert isinstance(r, Rejection)
-    assert r.reason is RejectReason.NO_HEALTHY_PREFILL and r.http_status == 503
-    c.set_health("p1", True)
-    _, d = decide(c, "r2", prompt(1, 8))
-    assert isinstance(d, Decision) and d.prefill == "p1"
-
-
-def test_drained_instance_gets_no_new_work() -> None:
-    c = make_conductor(policy="round_robin")
-    c.drain_instance("p1")
-    chosen = {decide(c, f"r{i}", prompt(i, 8))[1].prefill for i in range(6)}
-    assert chosen == {"p0", "p2"}
-
-
 def test_books_return_to_zero_after_the_request_lifecycle() -> None:
     c = make_conductor()
     req, d = decide(c, "r", prompt(1, 64))
@@ -225,25 +206,6 @@ def test_books_return_to_zero_after_the_request_lifecycle() -> None:
     assert p.idle and dec.idle and not c.requests
     # What the gateway routed is now in the cache view (predict-on-route).
     assert c.index.match(prompt(1, 64), 1.0).local(d.prefill) == 64
-
-
-def test_failure_and_instance_removal_clear_the_books() -> None:
-    c = make_conductor()
-    for i in range(4):
-        req, d = decide(c, f"r{i}", prompt(i, 32))
-        assert isinstance(d, Decision)
-        c.dispatched(d, req, 0.0)
-    c.failed("r0", 0.1)
-    assert "r0" not in c.requests
-    victim = c.requests["r1"].decision.decode
-    affected = c.remove_instance(victim, 0.2)
-    assert "r1" in affected or c.requests["r1"].decision.decode != victim
-    for rid in affected:
-        assert rid not in c.requests
-    for rid in list(c.requests):
-        c.finished(rid, 1.0)
-    for inst in c.instances.values():
-        assert inst.idle and inst.queue_time(1.0) == 0.0 and inst.reserved_tokens == 0
 
 
 def test_colocated_pool_decodes_where_it_prefills() -> None:

@@ -11,7 +11,7 @@ from config.admission_settings import PeerOverloadSettings
 from config.checks import check_settings
 from config.errors import IssueCollector
 from config.settings import AdmissionMode, AdmissionSettings
-from replay.sim.sim_cli import parse_run_specs
+from replay.sim.run_specs import parse_run_specs
 from routing.conductor import Conductor
 from routing.instance_books import DecodeWork
 from routing.types import Decision, Rejection, RejectReason
