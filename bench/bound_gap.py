@@ -181,10 +181,10 @@ def run_recording(
     fleet_hit: dict[str, int] = {}
 
     def recording(
-        req: RequestInfo, now: float, exclude: frozenset[str] = frozenset()
+        req: RequestInfo, now: float, exclude: frozenset[str] = frozenset(), parked: bool = False
     ) -> Decision | Rejection:
-        decision = schedule(req, now, exclude)
-        if isinstance(decision, Rejection):
+        decision = schedule(req, now, exclude, parked=parked)
+        if isinstance(decision, Rejection) and not parked:  # a decode-queue retry counts nowhere
             best = conductor.index.match(req.block_hashes, now).best_blocks
             fleet_hit[req.request_id] = best * conductor.block_size
         return decision

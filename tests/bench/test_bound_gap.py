@@ -93,6 +93,21 @@ def test_cli_splits_a_real_run_and_writes_json(tmp_path: Path, capsys) -> None:
     assert pf["busy_share"] >= pf["served_share"] >= pf["served_share_with_infinite_cache"] > 0
 
 
+def test_cli_runs_a_decode_bound_point_where_requests_wait_for_decode_room(tmp_path: Path) -> None:
+    """4P + 1D and a TBT SLO the one decode instance meets only with a short batch: requests
+    wait in the decode queue, whose retries go through the recorded ``schedule`` too (that
+    call once lacked the decode queue's ``parked`` flag and the run crashed)."""
+    trace = tmp_path / "chat.jsonl"
+    write_mooncake(generate(chat_spec(requests=150, rate_rps=300.0, seed=2)), trace)
+    out = tmp_path / "gap.json"
+    args = [str(trace), "--prefill", "4", "--decode", "1", "--profile", "llama3-8b-h100-tp1"]
+    args += ["--ttft-slo", "5", "--tbt-slo", "0.012", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["rejections"].get("tbt_slo", 0) > 0  # decode binds here
+    assert report["run"]["admitted"] + report["run"]["rejected"] == 150
+
+
 def test_cli_names_a_missing_trace(tmp_path: Path, capsys) -> None:
     assert main([str(tmp_path / "absent.jsonl")]) == 2
     assert "absent.jsonl" in capsys.readouterr().err
