@@ -191,8 +191,8 @@ def test_a_request_counting_on_another_requests_pull_is_prefilled_after_it_lands
     decisions = {}
     schedule = sim.conductor.schedule
 
-    def record(req, now, *args):
-        decisions[req.request_id] = d = schedule(req, now, *args)
+    def record(req, now, *args, **kwargs):
+        decisions[req.request_id] = d = schedule(req, now, *args, **kwargs)
         return d
 
     sim.conductor.schedule = record  # type: ignore[method-assign]
