@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -288,6 +289,37 @@ def _brief(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in summary.items() if k != "requests"}
 
 
+def round_orders(policies: list[str], rounds: int) -> list[list[str]]:
+    """The policies' order in each round: reversed every other round (A B, B A, A B ...), so
+    that a drift of the machine's load over the runs weighs on every policy alike."""
+    return [policies if r % 2 == 0 else policies[::-1] for r in range(rounds)]
+
+
+RATIO_KEYS = ("ttft_mean_s", "ttft_p90_s", "engine_hit_ratio")
+
+
+def ratios(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
+    """Each policy against ``reference`` within each round (same engines' machine state),
+    then the median over rounds: ``{policy: {key: {"per_round": [...], "median": m}}}``."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_round.setdefault(run.get("round", 0), {})[run["policy"]] = run
+    out: dict[str, Any] = {}
+    for rnd in sorted(by_round):
+        ref = by_round[rnd].get(reference)
+        for policy, run in by_round[rnd].items():
+            if policy == reference or ref is None:
+                continue
+            for key in RATIO_KEYS:
+                if run.get(key) is not None and ref.get(key):
+                    cell = out.setdefault(policy, {}).setdefault(key, {"per_round": []})
+                    cell["per_round"].append(round(run[key] / ref[key], 4))
+    for cells in out.values():
+        for cell in cells.values():
+            cell["median"] = statistics.median(cell["per_round"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--engine", choices=["llamacpp", "vllm"], default="llamacpp")
@@ -310,8 +342,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateway's online prefill refit (server.refit_interval_s); 0 = off, so that "
         "every policy runs on the same predictions (the gateway's own default is 60)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the policies this many times, the order reversed every other round; the "
+        "output adds each policy's ratios to --reference per round and their median",
+    )
+    p.add_argument("--reference", help="the policy ratios are taken against (default: the last)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
+    policies = [x for x in args.policies.split(",") if x]
+    reference = args.reference or policies[-1]
+    if args.rounds < 1 or reference not in policies:
+        p.error("--rounds must be >= 1 and --reference one of --policies")
     wl = make_workload(args.system_prompts, args.words, args.requests, args.zipf, args.seed)
     results: dict[str, Any] = {
         "engine": args.engine,
@@ -323,11 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     with tempfile.TemporaryDirectory(prefix="kvgate-prefix-") as d:
-        for policy in args.policies.split(","):
-            print(f"[{args.engine}] {policy} ...", file=sys.stderr, flush=True)
-            summary = run_policy(args, wl, policy, Path(d))
-            print(json.dumps(_brief(summary)), file=sys.stderr, flush=True)
-            results["runs"].append(summary)
+        for rnd, order in enumerate(round_orders(policies, args.rounds)):
+            for policy in order:
+                print(f"[{args.engine}] round {rnd + 1}: {policy} ...", file=sys.stderr, flush=True)
+                summary = {"round": rnd, **run_policy(args, wl, policy, Path(d))}
+                print(json.dumps(_brief(summary)), file=sys.stderr, flush=True)
+                results["runs"].append(summary)
+    if len(policies) > 1:
+        results["ratios_to"] = reference
+        results["ratios"] = ratios(results["runs"], reference)
     if args.json:  # the file keeps every request's record; stdout only the summaries
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
