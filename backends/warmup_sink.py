@@ -20,7 +20,8 @@ where the engines' own KV connector shares a store that matches prompts by their
 ExampleConnector directory; LMCacheConnectorV1 with a shared backend), the same warm-up first
 goes to the source, which holds the prefix (a cache hit there) and whose connector writes it
 to the store; the destination's warm-up then loads it from the store instead of computing it.
-A source that cannot be reached only costs that saving: the destination computes the prefix.
+A source that cannot be reached, or is too busy to answer within half the copy's time, only
+costs that saving: the destination computes the prefix.
 
 A reactive command (a request waiting for its own prefix) is not executed: the request's own
 prefill on the destination computes and caches the same tokens, so a warm-up first could only
@@ -184,7 +185,7 @@ class WarmupSink:
         try:
             async with asyncio.timeout(max(deadline - time.perf_counter(), 0.0)):
                 if self.publish_on_source:
-                    await self._publish(cmd, prefix)
+                    await self._publish(cmd, prefix, (deadline - time.perf_counter()) / 2)
                 failure: _Failure | None = None
                 for attempts in range(1, self.max_retries + 2):
                     failure = await self._prefill(url, cmd, prefix)
@@ -213,15 +214,21 @@ class WarmupSink:
             await asyncio.sleep(min(self.poll_s, left))
         return True
 
-    async def _publish(self, cmd: ReplicationCommand, prefix: PrefixTokens) -> None:
+    async def _publish(
+        self, cmd: ReplicationCommand, prefix: PrefixTokens, budget_s: float
+    ) -> None:
         """The source, which holds the prefix, runs the warm-up first: its connector writes
-        the prefix to the shared store for the destination to load."""
+        the prefix to the shared store for the destination to load. The source is the busy
+        holder the copy relieves, so this gets at most ``budget_s`` (half of what the copy has
+        left) before the destination goes on without it."""
         url = self._cluster.url(cmd.source)
-        failure = (
-            await self._prefill(url, cmd, prefix, publish=True)
-            if url is not None
-            else _Failure(f"source {cmd.source!r} has no engine URL", retry=False)
-        )
+        failure: _Failure | None = _Failure(f"source {cmd.source!r} has no engine URL", False)
+        if url is not None:
+            try:
+                async with asyncio.timeout(max(budget_s, 0.0)):
+                    failure = await self._prefill(url, cmd, prefix, publish=True)
+            except TimeoutError:
+                failure = _Failure(f"no answer from the source within {budget_s:.1f} s", False)
         if failure is not None:
             log.warning(
                 "replication %s: the source did not write the prefix to the store (%s); the "

@@ -329,3 +329,17 @@ def test_a_source_that_cannot_write_to_the_store_leaves_the_destination_to_compu
     expected = ["kvgate-publish-rep-1"] if source_known else []
     assert engine.request_ids == [*expected, "kvgate-warmup-rep-1"]  # the publish: one try
     assert "the source did not write the prefix to the store" in caplog.text
+
+
+def test_a_busy_source_gets_half_the_copys_time_then_the_destination_goes_on(caplog) -> None:
+    engine = FakeEngine(replies=[(200, usage(len(PROMPT)), 2.0)])  # the source: 2 s to answer
+
+    async def run(url, session):
+        sink = _sink(session, StubCluster({"a": url, "b": url}), publish_on_source=True)
+        sink.timeout_s = 1.0
+        return await sink.execute(_cmd())
+
+    res = asyncio.run(_with_engine(engine, run))
+    assert res.outcome is Outcome.OK and res.latency_s < 1.0  # ~0.5 s on the source, then b
+    assert engine.request_ids[-1] == "kvgate-warmup-rep-1"
+    assert "no answer from the source within 0.5 s" in caplog.text
