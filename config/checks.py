@@ -43,7 +43,7 @@ def check_settings(s: Settings, issues: IssueCollector) -> None:
     check_pools(c, s.pools)
     check_models(c, s)
     _check_replication(c, s.replication)
-    check_pool_sinks(c, s.pools)
+    check_pool_sinks(c, s.pools, s.replication.sink)
     _check_server(c, s.server)
     check_tenants(c, s.tenants)
     check_replicas(c, s.replicas)

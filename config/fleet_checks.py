@@ -20,6 +20,7 @@ from config.settings import (
     KVConnector,
     PDProtocol,
     PoolSettings,
+    ReplicationSink,
     Role,
     Settings,
 )
@@ -232,7 +233,9 @@ def check_models(c: Checker, s: Settings) -> None:
             )
 
 
-def check_pool_sinks(c: Checker, pools: tuple[PoolSettings, ...]) -> None:
+def check_pool_sinks(
+    c: Checker, pools: tuple[PoolSettings, ...], default: ReplicationSink = ReplicationSink.DRY_RUN
+) -> None:
     # Prefix copies go to instances that prefill; a decode pool never receives one.
     for i, pool in enumerate(pools):
         c.require(
@@ -241,3 +244,13 @@ def check_pool_sinks(c: Checker, pools: tuple[PoolSettings, ...]) -> None:
             pool.replication_sink,
             "is not used by a decode pool (prefix copies go to instances that prefill)",
         )
+        # A copy through a connector's store needs an engine with a KV connector.
+        sink = pool.replication_sink or default
+        if sink is ReplicationSink.CONNECTOR_STORE and pool.role is not Role.DECODE:
+            c.require(
+                all(inst.engine is not EngineKind.LLAMACPP for inst in pool.instances),
+                f"pools[{i}].replication_sink" if pool.replication_sink else "replication.sink",
+                sink.value,
+                f"needs engines whose KV connector shares a store (vLLM); pool {pool.name!r} "
+                "has llama.cpp instances, which have none: use 'warmup' there",
+            )
