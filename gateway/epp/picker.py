@@ -15,6 +15,9 @@ A request turned away on its TBT check may wait for decode room as under `kvgate
 extend its message timeout for that long (``envoy_wait_s``), and ``settle`` gives the outcome
 once a finished decode admitted it or its wait ended (its 429 then).
 
+Tenants (gateway/tenants.py) as under `kvgate serve`: API keys (401/403), rate limits (429)
+and the fair-share screen of a decision before it is booked, also for a waiting request.
+
 Not supported here (docs/epp.md): P/D pools (the picker refuses such a config), llama.cpp
 slot pinning (it rewrites the body), retries on another engine after the answer started.
 """
@@ -41,6 +44,7 @@ from gateway.learning import DecisionRecord
 from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body
 from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
 from gateway.runtime import Gateway
+from gateway.tenants import Refusal, TenantGate
 from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
 from routing.types import Decision, Rejection, RejectReason
 
@@ -129,6 +133,7 @@ class Picker:
         self.fallbacks = fallbacks
         self.timeouts = timeouts or MessageTimeouts()  # Envoy's: a wait keeps inside them
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
+        self.tenants = TenantGate(gw)  # keys, rate limits, fair share (or off)
         self._endpoints: dict[str, str] = {}  # engine URL -> ip:port
 
     # ------------------------------------------------------------------ the pick
@@ -197,15 +202,23 @@ class Picker:
             gw.metrics.requests.labels("shutting_down").inc()
             retry = str(gw.drain.retry_after_s()).encode()
             return Immediate(503, shutting_down_body(), [(b"retry-after", retry), rid_header])
+        tenant = self.tenants.identify(headers)  # "" with tenants off
+        if isinstance(tenant, Refusal):
+            return Immediate(tenant.status, tenant.body, [*tenant.headers, rid_header])
         try:
             parsed = gw.parse(path, raw, headers, rid)
         except BadRequest as exc:
             gw.metrics.requests.labels("bad_request").inc()
+            self.tenants.count(tenant, "bad_request")
             body = error_body(exc.message, "invalid_request_error", param=exc.param, code=exc.code)
             return Immediate(exc.status, body, [rid_header])
+        if (refusal := self.tenants.admit(tenant, rid, parsed.info, gw.clock())) is not None:
+            return Immediate(refusal.status, refusal.body, [*refusal.headers, rid_header])
         t0 = time.perf_counter()
         now = gw.clock()
         decision = gw.conductor.schedule(parsed.info, now)
+        if isinstance(decision, Decision):  # a tenant over its fair share may be turned away
+            decision = self.tenants.screen(decision, parsed.info, now)
         if isinstance(decision, Decision):
             gw.conductor.dispatched(decision, parsed.info, now)
         gw.metrics.decision.observe(time.perf_counter() - t0)
@@ -215,7 +228,7 @@ class Picker:
             and self.timeouts.max_wait_s > 0
         ):
             # It may wait for decode room (gateway/decode_waits.py) instead of a 429 now.
-            held = gw.decode_waits.hold(decision, parsed.info)
+            held = gw.decode_waits.hold(decision, parsed.info, self.tenants.screen)
             if held is not None:
                 held = replace(held, timeout_s=min(held.timeout_s, self.timeouts.max_wait_s))
                 return Waiting(parsed, path, held)
@@ -227,7 +240,11 @@ class Picker:
 
     async def settle(self, w: Waiting) -> Flight | Immediate:
         """``w``'s outcome once its wait ended: placed (booked by the release), or its 429."""
-        decision = await self.gw.decode_waits.settle(w.held)
+        try:
+            decision = await self.gw.decode_waits.settle(w.held)
+        except BaseException:  # the stream ended while it waited (client gone)
+            self.tenants.leave(w.parsed.info.request_id)
+            raise
         return await self._answer(w.parsed, w.path, decision)
 
     async def _answer(
@@ -240,6 +257,7 @@ class Picker:
                 self.warmups.start(decision, parsed, path)
             gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
             self._count(parsed, "rejected")
+            self.tenants.leave(rid)
             return Immediate(*rejection_response(decision, rid))
         gw.drain.enter()  # left when the books close (Flight's end)
         try:
@@ -250,6 +268,7 @@ class Picker:
         except BaseException:  # e.g. an engine name that no longer resolves, or cancelled
             gw.conductor.failed(rid, gw.clock())
             gw.drain.leave(rid)
+            self.tenants.leave(rid)
             raise
         gw.learner.record(record)
         if decision.best_effort:
@@ -258,6 +277,7 @@ class Picker:
 
     def _count(self, parsed: ParsedRequest, outcome: str) -> None:
         self.gw.metrics.requests.labels(outcome).inc()
+        self.tenants.count(parsed.info.request_id, outcome)
         if parsed.info.model is not None:
             self.gw.metrics.model_requests.labels(parsed.info.model, outcome).inc()
 
@@ -341,6 +361,7 @@ class Picker:
         f.closed = True
         f.body = []
         self.gw.drain.leave(f.request_id)
+        self.tenants.leave(f.request_id)
 
     def _learn(self, f: Flight) -> None:
         gw, d = self.gw, f.decision

@@ -20,7 +20,7 @@ WORK = Path("/tmp/epp/tests")
 def _spec(**kw):
     from gateway.epp.stack import EppStackSpec
 
-    base = Settings()
+    base = kw.pop("base", None) or Settings()
     base = replace(base, admission=replace(base.admission, mode=AdmissionMode.EARLY))
     kw.setdefault("engines", 3)
     return EppStackSpec(base=base, workdir=WORK / kw.pop("name", "main"), **kw)
@@ -317,3 +317,28 @@ async def _until(cond, timeout_s: float) -> bool:
     while not cond() and loop.time() < deadline:
         await asyncio.sleep(0.02)
     return cond()
+
+
+def test_tenants_api_keys_are_checked_behind_envoy() -> None:
+    """Tenants on: Envoy passes the client's Authorization header to the picker, which answers
+    401 without a key and places the request with one."""
+    from config.loader import settings_from_dict
+    from gateway.tenants import hash_key
+
+    require_envoy()
+    tenants = {"enabled": True, "tenant": [{"name": "a", "key_sha256": [hash_key("sk-a")]}]}
+    base = settings_from_dict({"admission": {"mode": "early"}, "tenants": tenants}, "t.toml")
+    with envoy_stack(_spec(name="tenants", engines=1, base=base)) as ts:
+        body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+        with Http(ts.url) as http:
+            refused = http.post("/v1/completions", json=body)
+            served = http.post(
+                "/v1/completions", json=body, headers={"authorization": "Bearer sk-a"}
+            )
+        books = ts.wait_books_empty()
+        in_flight = ts.call(lambda: ts.stack.epp.picker.tenants.states["a"].in_flight)
+    assert refused.status_code == 401, refused.text
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert "x-gateway-destination-endpoint-served" not in refused.headers
+    assert served.status_code == 200 and "x-kvgate-prefill" in served.headers
+    assert books == (0, 0) and in_flight == 0
