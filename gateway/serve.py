@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _server_class() -> type[uvicorn.Server]:
+def quiet_server_class() -> type[uvicorn.Server]:
     import uvicorn
 
     class GatewayServer(uvicorn.Server):
@@ -100,7 +100,7 @@ class Lifecycle:
 
 
 async def serve(app: GatewayApp, config: uvicorn.Config) -> None:
-    server = _server_class()(config)
+    server = quiet_server_class()(config)
     Lifecycle(app, server).install(asyncio.get_running_loop())
     await server.serve()
 

@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus /metrics and /books (in-flight counts) on this HTTP port",
+        help="serve Prometheus /metrics, /books (in-flight counts) and the admin API "
+        "(/admin/*, with server.admin_token) on this HTTP port",
     )
     p.add_argument(
         "--fallbacks",

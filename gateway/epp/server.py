@@ -1,11 +1,13 @@
-"""The endpoint picker's servers: Envoy's ext_proc over gRPC, gRPC health, Prometheus metrics.
+"""The endpoint picker's servers: Envoy's ext_proc over gRPC, gRPC health, and an HTTP port for
+metrics and the admin API (gateway/epp/http_side.py).
 
 One grpc.aio server on the gateway's event loop (the Gateway's health checks, scrapes and
 KV-event subscribers run there too). ``grpc.so_reuseport`` is off: with it on (gRPC's
 default) a second or stale picker binds the same port and silently takes part of Envoy's
 streams. Health (grpc.health.v1) answers for ``""``, ``liveness``, ``readiness`` and
 ``envoy.service.ext_proc.v3.ExternalProcessor``; readiness and the ext_proc service go
-NOT_SERVING while draining, so Envoy's health check stops sending new streams first.
+NOT_SERVING while draining, so Envoy's health check stops sending new streams first. SIGHUP
+reloads the config file as `kvgate serve` does.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Exchange
+from gateway.epp.http_side import HttpSide, start_http
 from gateway.epp.picker import Picker
 from gateway.epp.protocol import EXT_PROC_SERVICE, MessageTimeouts
 from gateway.runtime import Gateway
@@ -74,7 +76,7 @@ class EppServer:
     grpc_server: grpc.aio.Server
     health_server: grpc.aio.Server | None
     health: health.HealthServicer
-    metrics_runner: web.AppRunner | None
+    http: HttpSide | None  # /metrics, /books and the admin API (--metrics-port)
     port: int
     health_port: int
     metrics_port: int | None
@@ -104,8 +106,8 @@ class EppServer:
         await self.grpc_server.stop(grace_s)
         if self.health_server is not None:
             await self.health_server.stop(grace_s)
-        if self.metrics_runner is not None:
-            await self.metrics_runner.cleanup()
+        if self.http is not None:
+            await self.http.stop()
         await self.gateway.shutdown()
 
 
@@ -143,46 +145,43 @@ async def start_epp(
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         hport = health_server.add_insecure_port(f"{host}:{health_port}")
         await health_server.start()
-    runner, mport = None, None
+    http = None
     if metrics_port is not None:
-        runner, mport = await _start_metrics(gw, host, metrics_port)
+        try:
+            http = await start_http(gw, picker.tenants, host, metrics_port)
+        except BaseException:  # e.g. the port is taken: stop what started, then say why
+            await server.stop(0)
+            if health_server is not None:
+                await health_server.stop(0)
+            await gw.shutdown()
+            raise
+    mport = http.port if http is not None else None
     epp = EppServer(
-        gw, picker, processor, server, health_server, health_servicer, runner, bound, hport, mport
+        gw, picker, processor, server, health_server, health_servicer, http, bound, hport, mport
     )
     for name in HEALTH_SERVICES:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return epp
 
 
-async def _start_metrics(gw: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=gw.metrics.render(), headers={"content-type": "text/plain"})
-
-    async def books(_: web.Request) -> web.Response:
-        # What is in flight: 0 and 0 when every answer has ended (tests and operators).
-        return web.json_response(
-            {"requests": len(gw.conductor.requests), "active": gw.drain.active}
-        )
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/books", books)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-    bound = sockets[0].getsockname()[1] if sockets else port
-    return runner, bound
-
-
 async def run_until_signal(epp: EppServer, drain_timeout_s: float) -> None:
-    """SIGTERM / SIGINT: drain, then stop; a second one stops at once."""
+    """SIGTERM / SIGINT: drain, then stop; a second one stops at once. SIGHUP: reload the
+    config file (gateway/reload.py, as `kvgate serve` does)."""
     import signal
+
+    from gateway.reload import reload_config
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     draining: list[asyncio.Task[None]] = []
+    reloads: set[asyncio.Task[object]] = set()
+
+    def on_hangup() -> None:
+        task = loop.create_task(reload_config(epp.gateway))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
 
     def on_signal() -> None:
         if stop.is_set():  # the second signal: no more waiting
