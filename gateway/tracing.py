@@ -55,6 +55,13 @@ class Tracing:
     def extract(self, headers: dict[str, str]):  # -> Context
         return PROPAGATOR.extract(headers) if self.enabled else None
 
+    def headers_for(self, span: trace.Span) -> dict[str, str]:
+        """traceparent/tracestate naming ``span`` as the parent (a request the endpoint picker
+        routes: Envoy sets them on the request to the engine)."""
+        carrier: dict[str, str] = {}
+        PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier
+
     def shutdown(self) -> None:
         if self.provider is not None:
             self.provider.shutdown()

@@ -200,5 +200,5 @@ class Exchange:
 def _route(outcome: Flight | Passthrough) -> tuple[list[str], pr.HeaderPairs]:
     if isinstance(outcome, Passthrough):
         return outcome.endpoints, ()
-    # x-request-id: the engine sees the id kvgate keys its books with
-    return outcome.endpoints, outcome.headers[:1]
+    # x-request-id (the id kvgate keys its books with) and the trace context
+    return outcome.endpoints, outcome.upstream

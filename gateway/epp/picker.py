@@ -15,6 +15,10 @@ A request turned away on its TBT check may wait for decode room as under `kvgate
 extend its message timeout for that long (``envoy_wait_s``), and ``settle`` gives the outcome
 once a finished decode admitted it or its wait ended (its 429 then).
 
+With tracing on (``server.tracing``) a ``kvgate.request`` span runs from the pick to the end
+of the answer (a child of the client's W3C trace context), with a ``kvgate.decision`` child;
+the engine gets the request's traceparent through Envoy.
+
 Tenants (gateway/tenants.py) as under `kvgate serve`: API keys (401/403), rate limits (429)
 and the fair-share screen of a decision before it is booked, also for a waiting request.
 
@@ -40,6 +44,7 @@ from gateway.answers import (
 from gateway.decode_waits import Held
 from gateway.doomed_warmups import DoomedWarmups
 from gateway.epp.protocol import MessageTimeouts
+from gateway.epp.request_spans import RequestSpans
 from gateway.learning import DecisionRecord
 from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body
 from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
@@ -71,7 +76,8 @@ class Flight:
     decision: Decision
     record: DecisionRecord
     endpoints: list[str]
-    headers: Pairs  # set on the request to the engine (x-request-id) and on the answer
+    headers: Pairs  # set on the answer (x-request-id first, then the decision's)
+    upstream: Pairs  # set on the request to the engine: x-request-id (+ trace context)
     status: int = 0
     served: str | None = None  # the endpoint that served, as the proxy reported it
     stamps: list[float] = field(default_factory=list)
@@ -134,6 +140,7 @@ class Picker:
         self.timeouts = timeouts or MessageTimeouts()  # Envoy's: a wait keeps inside them
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self.tenants = TenantGate(gw)  # keys, rate limits, fair share (or off)
+        self.spans = RequestSpans(gw.tracing)  # with tracing on
         self._endpoints: dict[str, str] = {}  # engine URL -> ip:port
 
     # ------------------------------------------------------------------ the pick
@@ -214,6 +221,7 @@ class Picker:
             return Immediate(exc.status, body, [rid_header])
         if (refusal := self.tenants.admit(tenant, rid, parsed.info, gw.clock())) is not None:
             return Immediate(refusal.status, refusal.body, [*refusal.headers, rid_header])
+        decision_span = self.spans.start(rid, headers)
         t0 = time.perf_counter()
         now = gw.clock()
         decision = gw.conductor.schedule(parsed.info, now)
@@ -222,6 +230,8 @@ class Picker:
         if isinstance(decision, Decision):
             gw.conductor.dispatched(decision, parsed.info, now)
         gw.metrics.decision.observe(time.perf_counter() - t0)
+        if decision_span is not None:
+            decision_span.end()
         if (
             isinstance(decision, Rejection)
             and decision.reason is RejectReason.TBT_SLO
@@ -244,6 +254,7 @@ class Picker:
             decision = await self.gw.decode_waits.settle(w.held)
         except BaseException:  # the stream ended while it waited (client gone)
             self.tenants.leave(w.parsed.info.request_id)
+            self.spans.end(w.parsed.info.request_id, "client_disconnected")
             raise
         return await self._answer(w.parsed, w.path, decision)
 
@@ -258,6 +269,7 @@ class Picker:
             gw.metrics.rejections.labels(decision.reason.value, decision.priority or "").inc()
             self._count(parsed, "rejected")
             self.tenants.leave(rid)
+            self.spans.end(rid, "rejected")
             return Immediate(*rejection_response(decision, rid))
         gw.drain.enter()  # left when the books close (Flight's end)
         try:
@@ -269,11 +281,15 @@ class Picker:
             gw.conductor.failed(rid, gw.clock())
             gw.drain.leave(rid)
             self.tenants.leave(rid)
+            self.spans.end(rid, "failed")
             raise
         gw.learner.record(record)
         if decision.best_effort:
             gw.metrics.best_effort.inc()
-        return Flight(parsed, decision, record, endpoints, decision_headers(decision, rid))
+        answer = decision_headers(decision, rid)
+        # x-request-id (the id kvgate keys its books with) and the trace context
+        upstream = [*answer[:1], *self.spans.placed(rid, decision.prefill)]
+        return Flight(parsed, decision, record, endpoints, answer, upstream)
 
     def _count(self, parsed: ParsedRequest, outcome: str) -> None:
         self.gw.metrics.requests.labels(outcome).inc()
@@ -362,6 +378,7 @@ class Picker:
         f.body = []
         self.gw.drain.leave(f.request_id)
         self.tenants.leave(f.request_id)
+        self.spans.end(f.request_id, f.record.outcome or "failed")
 
     def _learn(self, f: Flight) -> None:
         gw, d = self.gw, f.decision
