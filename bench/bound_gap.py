@@ -180,11 +180,10 @@ def run_recording(
     schedule = conductor.schedule
     fleet_hit: dict[str, int] = {}
 
-    def recording(
-        req: RequestInfo, now: float, exclude: frozenset[str] = frozenset(), parked: bool = False
-    ) -> Decision | Rejection:
-        decision = schedule(req, now, exclude, parked=parked)
-        if isinstance(decision, Rejection) and not parked:  # a decode-queue retry counts nowhere
+    def recording(req: RequestInfo, now: float, *args: Any, **kwargs: Any) -> Decision | Rejection:
+        # Passed on whole: the recorder must not lag behind schedule's signature (it once did).
+        decision = schedule(req, now, *args, **kwargs)
+        if isinstance(decision, Rejection) and not kwargs.get("parked"):  # a retry counts nowhere
             best = conductor.index.match(req.block_hashes, now).best_blocks
             fleet_hit[req.request_id] = best * conductor.block_size
         return decision

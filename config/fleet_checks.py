@@ -233,9 +233,7 @@ def check_models(c: Checker, s: Settings) -> None:
             )
 
 
-def check_pool_sinks(
-    c: Checker, pools: tuple[PoolSettings, ...], default: ReplicationSink = ReplicationSink.DRY_RUN
-) -> None:
+def check_pool_sinks(c: Checker, pools: tuple[PoolSettings, ...], default: ReplicationSink) -> None:
     # Prefix copies go to instances that prefill; a decode pool never receives one.
     for i, pool in enumerate(pools):
         c.require(

@@ -69,15 +69,19 @@ def test_leading_hit_counts_only_the_leading_blocks() -> None:
     assert leading_hit((1, 2), {1, 2}, 512, 1024) == 1023  # never the whole prompt
 
 
-def test_cli_splits_a_real_run_and_writes_json(tmp_path: Path, capsys) -> None:
+def _cli(tmp_path: Path, prefill: int, ttft_slo: float, tbt_slo: float) -> dict:
+    """The CLI on 150 synthetic chat requests at 300 r/s, on ``prefill`` P + 1 D; its JSON."""
     trace = tmp_path / "chat.jsonl"
-    # 300 r/s on 2P + 1D: overloaded, so some requests are turned away.
     write_mooncake(generate(chat_spec(requests=150, rate_rps=300.0, seed=2)), trace)
     out = tmp_path / "gap.json"
-    args = [str(trace), "--prefill", "2", "--decode", "1", "--profile", "llama3-8b-h100-tp1"]
-    args += ["--ttft-slo", "0.5", "--tbt-slo", "0.02", "--json", str(out)]
-    assert main(args) == 0
-    report = json.loads(out.read_text())
+    args = [str(trace), "--prefill", str(prefill), "--decode", "1"]
+    args += ["--profile", "llama3-8b-h100-tp1", "--ttft-slo", str(ttft_slo)]
+    assert main([*args, "--tbt-slo", str(tbt_slo), "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_cli_splits_a_real_run_and_writes_json(tmp_path: Path, capsys) -> None:
+    report = _cli(tmp_path, 2, 0.5, 0.02)  # overloaded: some requests are turned away
     assert report == json.loads(capsys.readouterr().out)
     assert 0 < report["goodput_rps"] <= report["bound_rps"]
     assert report["of_bound"] == pytest.approx(report["goodput_rps"] / report["bound_rps"], 1e-3)
@@ -97,13 +101,7 @@ def test_cli_runs_a_decode_bound_point_where_requests_wait_for_decode_room(tmp_p
     """4P + 1D and a TBT SLO the one decode instance meets only with a short batch: requests
     wait in the decode queue, whose retries go through the recorded ``schedule`` too (that
     call once lacked the decode queue's ``parked`` flag and the run crashed)."""
-    trace = tmp_path / "chat.jsonl"
-    write_mooncake(generate(chat_spec(requests=150, rate_rps=300.0, seed=2)), trace)
-    out = tmp_path / "gap.json"
-    args = [str(trace), "--prefill", "4", "--decode", "1", "--profile", "llama3-8b-h100-tp1"]
-    args += ["--ttft-slo", "5", "--tbt-slo", "0.012", "--json", str(out)]
-    assert main(args) == 0
-    report = json.loads(out.read_text())
+    report = _cli(tmp_path, 4, 5.0, 0.012)
     assert report["rejections"].get("tbt_slo", 0) > 0  # decode binds here
     assert report["run"]["admitted"] + report["run"]["rejected"] == 150
 

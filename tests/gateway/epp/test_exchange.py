@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -32,16 +34,21 @@ Mode = processing_mode_pb2.ProcessingMode
 URLS = {"a": "http://127.0.0.1:41001", "b": "http://127.0.0.1:41002", "c": "http://localhost:41003"}
 
 
-def _gateway(mode: AdmissionMode = AdmissionMode.EARLY) -> Gateway:
+def colocated_gateway(
+    mode: AdmissionMode = AdmissionMode.EARLY, urls: Mapping[str, str] = URLS, **fields: Any
+) -> Gateway:
+    """A Gateway (not started) over colocated vLLM instances ``id -> url`` with ``mode``
+    admission; ``fields`` replace more of its settings (``slo=``, ``server=`` ...)."""
     insts = tuple(
         InstanceSettings(id=i, url=u, role=Role.BOTH, protocol=PDProtocol.VLLM)
-        for i, u in URLS.items()
+        for i, u in urls.items()
     )
     base = Settings()
     settings = replace(
         base,
         pools=(PoolSettings("workers", Role.BOTH, insts),),
         admission=replace(base.admission, mode=mode),
+        **fields,
     )
     return Gateway(settings)
 
@@ -91,7 +98,7 @@ def test_endpoint_of_gives_ip_and_port() -> None:
 
 def test_duplex_request_is_held_then_picked_and_streamed_back() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=2))
         body = json.dumps({"prompt": "word " * 30_000, "max_tokens": 4}).encode()
         assert await ex.handle(_request_headers()) == []  # held until the body ended
@@ -123,7 +130,7 @@ def test_duplex_request_is_held_then_picked_and_streamed_back() -> None:
 
 def test_response_is_observed_and_the_books_close() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=0))
         body = json.dumps({"prompt": "hello " * 40, "max_tokens": 3, "stream": True}).encode()
         await ex.handle(_request_headers())
@@ -159,7 +166,7 @@ def test_response_is_observed_and_the_books_close() -> None:
 
 def test_buffered_mode_answers_headers_at_once_and_picks_on_the_body() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=1))
         first = await ex.handle(_request_headers(duplex=False))
         body = json.dumps({"prompt": "x " * 10, "max_tokens": 2}).encode()
@@ -179,7 +186,7 @@ def test_buffered_mode_answers_headers_at_once_and_picks_on_the_body() -> None:
 
 def test_rejection_is_an_immediate_429_with_the_serve_body() -> None:
     async def run():
-        gw = _gateway(AdmissionMode.EARLY)
+        gw = colocated_gateway(AdmissionMode.EARLY)
         ex = Exchange(Picker(gw))
         await ex.handle(_request_headers({"x-slo-ttft-ms": "50"}))
         body = json.dumps({"prompt": "word " * 4000, "max_tokens": 2}).encode()
@@ -203,7 +210,7 @@ def test_rejection_is_an_immediate_429_with_the_serve_body() -> None:
 )
 def test_bad_request_is_an_immediate_4xx_openai_error(raw: bytes, status: int, param) -> None:
     async def run():
-        ex = Exchange(Picker(_gateway()))
+        ex = Exchange(Picker(colocated_gateway()))
         await ex.handle(_request_headers())
         return await ex.handle(_body(raw, True))
 
@@ -215,7 +222,7 @@ def test_bad_request_is_an_immediate_4xx_openai_error(raw: bytes, status: int, p
 
 def test_upstream_error_status_closes_the_books_as_failed() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=0))
         await ex.handle(_request_headers())
         await ex.handle(_body(json.dumps({"prompt": "y", "max_tokens": 2}).encode(), True))
@@ -230,7 +237,7 @@ def test_upstream_error_status_closes_the_books_as_failed() -> None:
 
 def test_bodyless_request_to_another_path_goes_to_an_engine_without_books() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         ex = Exchange(Picker(gw))
         h = ext.ProcessingRequest(
             request_headers=_headers({":method": "GET", ":path": "/v1/models"}, end=True)
@@ -245,7 +252,7 @@ def test_bodyless_request_to_another_path_goes_to_an_engine_without_books() -> N
 
 def test_body_past_the_limit_is_a_413_at_once() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         gw.settings = replace(gw.settings, server=replace(gw.settings.server, max_body_bytes=1000))
         ex = Exchange(Picker(gw))
         await ex.handle(_request_headers())
@@ -265,7 +272,7 @@ def test_body_past_the_limit_is_a_413_at_once() -> None:
 
 def test_trailers_end_a_duplex_request_and_pick_it() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=0))
         await ex.handle(_request_headers())
         body = json.dumps({"prompt": "t " * 20, "max_tokens": 2}).encode()
@@ -284,7 +291,7 @@ def test_trailers_end_a_duplex_request_and_pick_it() -> None:
 
 def test_a_failure_after_the_decision_still_closes_the_books() -> None:
     async def run():
-        gw = _gateway()
+        gw = colocated_gateway()
         picker = Picker(gw)
 
         def unresolvable(instance_id: str) -> str:

@@ -15,18 +15,13 @@ pytest.importorskip("grpc")
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
 
 from config.settings import (
-    AdmissionMode,
-    InstanceSettings,
-    PDProtocol,
-    PoolSettings,
     Role,
     Settings,
 )
 from gateway.epp.exchange import Exchange
 from gateway.epp.server import start_epp
-from gateway.runtime import Gateway
 from replay.emulator import EmulatorConfig, start_emulator
-from tests.gateway.epp.test_exchange import _body, _request_headers
+from tests.gateway.epp.test_exchange import _body, _request_headers, colocated_gateway
 
 TOKEN = "epp-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -46,16 +41,8 @@ async def _pick(epp) -> int:
 def test_metrics_books_and_a_live_slo_change_through_the_admin_api() -> None:
     async def run():
         emu = await start_emulator(EmulatorConfig(role=Role.BOTH, port=0, time_scale=0.05))
-        inst = InstanceSettings(id="e0", url=emu.url, role=Role.BOTH, protocol=PDProtocol.VLLM)
-        base = Settings()
-        gw = Gateway(
-            replace(
-                base,
-                pools=(PoolSettings("workers", Role.BOTH, (inst,)),),
-                admission=replace(base.admission, mode=AdmissionMode.EARLY),
-                server=replace(base.server, admin_token=TOKEN),
-            )
-        )
+        server = replace(Settings().server, admin_token=TOKEN)
+        gw = colocated_gateway(urls={"e0": emu.url}, server=server)
         epp = await start_epp(gw, port=0, metrics_port=0)
         url = f"http://127.0.0.1:{epp.metrics_port}"
         try:

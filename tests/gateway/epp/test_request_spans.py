@@ -16,20 +16,24 @@ pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from config.settings import TracingExporter
+from config.settings import Settings, TracingExporter
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
-from tests.gateway.epp.test_exchange import _body, _gateway, _request_headers, _set_headers
+from tests.gateway.epp.test_exchange import (
+    _body,
+    _request_headers,
+    _set_headers,
+    colocated_gateway,
+)
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
 
 
 def _traced() -> tuple[Gateway, InMemorySpanExporter]:
-    gw = _gateway()
-    server = replace(gw.settings.server, tracing=TracingExporter.CONSOLE)
-    traced = Gateway(replace(gw.settings, server=server))
+    server = replace(Settings().server, tracing=TracingExporter.CONSOLE)
+    traced = colocated_gateway(server=server)
     exporter = InMemorySpanExporter()
     assert traced.tracing.provider is not None
     traced.tracing.provider.add_span_processor(SimpleSpanProcessor(exporter))

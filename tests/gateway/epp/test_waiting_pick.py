@@ -8,19 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
 
 import pytest
 
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
 
 from config.settings import (
-    AdmissionMode,
-    InstanceSettings,
-    PDProtocol,
-    PoolSettings,
-    Role,
-    Settings,
     SLOSettings,
 )
 from gateway.epp import protocol as pr
@@ -28,7 +21,12 @@ from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
 from routing.instance_books import DecodeWork
-from tests.gateway.epp.test_exchange import _body, _request_headers, _set_headers
+from tests.gateway.epp.test_exchange import (
+    _body,
+    _request_headers,
+    _set_headers,
+    colocated_gateway,
+)
 
 BODY = json.dumps({"prompt": "hello " * 50, "max_tokens": 4}).encode()
 
@@ -36,16 +34,8 @@ BODY = json.dumps({"prompt": "hello " * 50, "max_tokens": 4}).encode()
 def _full_gateway() -> Gateway:
     """One colocated engine whose batch today (100 sequences of 3,000 tokens) fails a 20 ms
     TBT SLO, while the request alone in a batch would pass it: it may wait."""
-    inst = InstanceSettings(id="a", url="http://127.0.0.1:41001", role=Role.BOTH)
-    inst = replace(inst, protocol=PDProtocol.VLLM)
-    base = Settings()
-    gw = Gateway(
-        replace(
-            base,
-            pools=(PoolSettings("workers", Role.BOTH, (inst,)),),
-            admission=replace(base.admission, mode=AdmissionMode.EARLY),
-            slo=SLOSettings(ttft_s=10.0, tbt_s=0.02),
-        )
+    gw = colocated_gateway(
+        urls={"a": "http://127.0.0.1:41001"}, slo=SLOSettings(ttft_s=10.0, tbt_s=0.02)
     )
     a = gw.conductor.instances["a"]
     for i in range(100):
