@@ -183,13 +183,23 @@ class RequestProgress:
 
     def failed(self, request_id: str, now: float, decode_refused: bool = False) -> None:
         """``decode_refused``: the decode engine turned the request away at join for its TBT
-        (the simulator's Mooncake-style engines do): a miss for the TBT headroom."""
+        (the simulator's Mooncake-style engines do): a miss for the TBT headroom.
+
+        A request that failed otherwise (its client left, the engine errored, the stream broke)
+        left its decode batch as a finished one does, so the ``after_finished`` hooks run: a
+        request waiting for decode room must not wait for the next *completed* decode. A
+        refused one never joined the batch: nothing was freed."""
         rec = self._drop(request_id, now)
-        if rec is not None and decode_refused:
+        if rec is None:
+            return
+        if decode_refused:
             self.admission.observe_decode(rec.request.model, True)
-        if rec is not None and rec.prefill_done_s is None and rec.routed:
+        if rec.prefill_done_s is None and rec.routed:
             # Refused or lost before its prefill finished: the engine never cached the prompt.
             self.index.forget_route(rec.decision.prefill, rec.routed)
+        if not decode_refused:
+            for hook in self.after_finished:
+                hook(now)
 
     def cache_feedback(
         self,

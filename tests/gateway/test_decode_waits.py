@@ -79,6 +79,51 @@ def test_the_wait_ends_with_the_rejection_at_its_deadline_or_a_drain() -> None:
     assert "r" not in c.decode_queue
 
 
+def _booked_batch(c: Conductor) -> list[str]:
+    """The full batch of ``_setup`` as requests the Conductor booked itself (so that their
+    ``failed`` is what frees the room), still failing the waiting request's TBT check."""
+    _free_room(c, 0.0)
+    placed = c.schedule(request("x", prompt(2, 8)), 0.0)
+    assert isinstance(placed, Decision) and placed.decode == "d0"
+    ids = [f"run{i}" for i in range(100)]
+    for i, rid in enumerate(ids):
+        info = replace(request(rid, prompt(10 + i, 8)), prompt_tokens=3000)
+        c.dispatched(replace(placed, request_id=rid), info, 0.0)
+        c.prefill_done(rid, 0.0)  # decoding
+    return ids
+
+
+def test_a_failed_request_frees_its_decode_room_for_a_waiting_one() -> None:
+    """A client that leaves mid-decode (or an engine error) frees its room as a finished
+    decode does: the waiting request is admitted then, not at the next completed decode. A
+    decode that refused the request at join freed nothing: nobody is admitted."""
+
+    async def run(decode_refused: bool) -> tuple[Decision | Rejection | None, int]:
+        c, waits, clock, req, _ = _setup()
+        batch = _booked_batch(c)
+        rej = c.schedule(req, 0.0)
+        assert isinstance(rej, Rejection) and rej.reason is RejectReason.TBT_SLO
+        task = asyncio.create_task(waits.wait(rej, req))
+        await asyncio.sleep(0)
+        clock.t = 1.0
+        failed = 0
+        for rid in batch:
+            c.failed(rid, clock.t, decode_refused=decode_refused)
+            failed += 1
+            await asyncio.sleep(0)
+            if task.done():
+                break
+        out = task.result() if task.done() else None
+        task.cancel()
+        return out, failed
+
+    out, failed = asyncio.run(run(decode_refused=False))
+    assert isinstance(out, Decision) and out.request_id == "r"
+    assert failed < 100  # admitted as soon as enough of the batch had left, not at its end
+    out, failed = asyncio.run(run(decode_refused=True))
+    assert out is None and failed == 100
+
+
 def test_a_tenant_over_its_share_by_then_is_turned_away_unbooked() -> None:
     c, waits, _, req, rej = _setup()
     refused = replace(rej, reason=RejectReason.TBT_SLO, message="over its share")
