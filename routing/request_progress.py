@@ -18,7 +18,7 @@ from routing.admission import Admission
 from routing.cache_feedback import CacheFeedback, assess
 from routing.decode_placement import rebind_target
 from routing.doomed_warmup import warmup_request
-from routing.estimates import STORE_SOURCE, cached_tokens
+from routing.estimates import STORE_SOURCE, TTFTEstimator, cached_tokens
 from routing.fleet_pools import ModelPools
 from routing.instance_books import DecodeWork, InstanceState
 from routing.kv_index import KVIndex
@@ -124,6 +124,46 @@ class RequestProgress:
         rec.decision = replace(d, decode=target.id)
         self.stats.rebinds += 1
         return target.id
+
+    def rebook(self, request_id: str, instance_id: str, now: float) -> Decision | None:
+        """The request runs on ``instance_id``, not where it was decided: a proxy in front (Envoy
+        behind the endpoint picker) could not reach the pick and took a fallback. The books
+        follow it there, priced as that instance serves it (its own cached prefix, its queue,
+        recomputing the rest); the pick forgets the route it was credited with. Only for a
+        colocated decision before its first token; returns the new decision, else None."""
+        rec = self.requests.get(request_id)
+        target = self.instances.get(instance_id)
+        if rec is None or target is None or rec.first_token_s is not None:
+            return None
+        d, req = rec.decision, rec.request
+        if d.prefill != d.decode or d.prefill == instance_id or rec.prefill_done_s is not None:
+            return None
+        self._drop(request_id, now)
+        if rec.routed:
+            self.index.forget_route(d.prefill, rec.routed)
+        match = self.index.match(req.block_hashes, now)
+        opt = TTFTEstimator(
+            req, match, now, block_size=self.block_size, threshold=1.0,
+            min_transfer_blocks=0, holders={}, transfer_allowed=False,
+        ).local(target)  # fmt: skip
+        moved = replace(
+            d,
+            prefill=target.id,
+            decode=target.id,
+            predicted_ttft_s=opt.ttft_s,
+            predicted_queue_s=opt.queue_s,
+            predicted_prefill_s=opt.prefill_s,
+            predicted_transfer_s=0.0,
+            predicted_load_s=opt.load_s,
+            cached_tokens=opt.cached_tokens,
+            reason="fallback",
+            replications=(),
+            pull_source=None,
+            waits_for=(),
+        )
+        self.dispatched(moved, req, now)
+        self.requests[request_id].dispatched_s = rec.dispatched_s  # its TTFT counts from then
+        return moved
 
     def prefill_done(self, request_id: str, now: float) -> None:
         rec = self.requests.get(request_id)

@@ -80,6 +80,7 @@ class Flight:
     upstream: Pairs  # set on the request to the engine: x-request-id (+ trace context)
     status: int = 0
     served: str | None = None  # the endpoint that served, as the proxy reported it
+    rebooked: bool = False  # served by a fallback, and the books moved there
     stamps: list[float] = field(default_factory=list)
     tokens: int = 0
     reported: int = 0
@@ -301,11 +302,21 @@ class Picker:
     def response_started(self, f: Flight, status: int, served: str | None = None) -> None:
         """The answer's status, and the endpoint that served it if the proxy says: another
         than the pick means Envoy could not reach the pick and used a fallback, so the pick
-        counts a failed leg (its health is probed now, as `kvgate serve` does)."""
+        counts a failed leg (its health is probed now, as `kvgate serve` does) and the books
+        follow the request to the fallback (``Conductor.rebook``)."""
         f.status, f.served = status, served
         if served and served != f.endpoints[0]:
-            self.gw.metrics.retries.inc()
-            self.gw.legs.failed(f.decision.prefill, Failure.CONNECT)
+            gw = self.gw
+            gw.metrics.retries.inc()
+            gw.legs.failed(f.decision.prefill, Failure.CONNECT)
+            iid = next(
+                (i for i, t in gw.targets.items() if self._endpoints.get(t.url) == served), None
+            )
+            moved = gw.conductor.rebook(f.request_id, iid, gw.clock()) if iid else None
+            if moved is not None:
+                f.decision, f.rebooked = moved, True
+                f.record.prefill = f.record.decode = moved.prefill
+                f.record.reason = moved.reason
 
     def chunk(self, f: Flight, data: bytes) -> None:
         """One body chunk of the answer as Envoy passes it on."""
@@ -352,11 +363,13 @@ class Picker:
             gw.metrics.cache_feedback(feedback)
         gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
         gw.conductor.finished(rid, now, output_tokens=tokens or None, decode_timed=f.parsed.stream)
-        if f.served in (None, f.endpoints[0]):
+        direct = f.served in (None, f.endpoints[0])
+        if direct or f.rebooked:  # d.prefill answered
             gw.legs.succeeded(d.prefill)
         f.record.outcome = "completed"
         self._count(f.parsed, "completed")
-        self._learn(f)
+        if direct:  # a fallback's TTFT includes the failed try at the pick: nothing to learn
+            self._learn(f)
         self._close(f)
 
     def failed(self, f: Flight, outcome: str) -> None:
