@@ -28,11 +28,8 @@ slot pinning (it rewrites the body), retries on another engine after the answer 
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 import time
 from dataclasses import dataclass, field, replace
-from urllib.parse import urlsplit
 
 from backends.legs import Failure
 from gateway.answers import (
@@ -43,6 +40,7 @@ from gateway.answers import (
 )
 from gateway.decode_waits import Held
 from gateway.doomed_warmups import DoomedWarmups
+from gateway.epp.engine_addresses import EngineAddresses
 from gateway.epp.protocol import MessageTimeouts
 from gateway.epp.request_spans import RequestSpans
 from gateway.learning import DecisionRecord
@@ -114,69 +112,20 @@ Settled = Flight | Immediate | Passthrough  # what the exchange answers Envoy wi
 Outcome = Settled | Waiting
 
 
-def endpoint_of(url: str) -> str:
-    """``ip:port`` of an engine URL, as Envoy's ORIGINAL_DST / override_host want it (an IP,
-    not a name: a host name is resolved here once). IPv6 in brackets."""
-    parts = urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        ip = ipaddress.ip_address(info[0][4][0])
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
-
-
 class Picker:
     """The pick and the books of every request Envoy sends, for one Gateway."""
 
     def __init__(
         self, gw: Gateway, fallbacks: int = 1, timeouts: MessageTimeouts | None = None
     ) -> None:
-        if fallbacks < 0:
-            raise ValueError("fallbacks must be >= 0")
         self.gw = gw
-        self.fallbacks = fallbacks
+        self.addresses = EngineAddresses(gw, fallbacks)  # engines as Envoy names them
         self.timeouts = timeouts or MessageTimeouts()  # Envoy's: a wait keeps inside them
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self.tenants = TenantGate(gw)  # keys, rate limits, fair share (or off)
         self.spans = RequestSpans(gw.tracing)  # with tracing on
-        self._endpoints: dict[str, str] = {}  # engine URL -> ip:port
 
     # ------------------------------------------------------------------ the pick
-    def endpoint(self, instance_id: str) -> str:
-        url = self.gw.targets[instance_id].url
-        ep = self._endpoints.get(url)
-        if ep is None:
-            ep = self._endpoints[url] = endpoint_of(url)
-        return ep
-
-    def resolve_all(self) -> list[str]:
-        """Each engine's ``ip:port`` now (a host name resolves once, here at start rather than
-        on a request's path); returns the instances whose name did not resolve yet."""
-        failed = []
-        for iid in list(self.gw.targets):
-            try:
-                self.endpoint(iid)
-            except OSError:
-                failed.append(iid)
-        return failed
-
-    def _alternatives(self, primary: str, model: str | None) -> list[str]:
-        """Other eligible instances of the primary's model, least queued first: Envoy tries
-        them in order if the primary cannot be reached (override_host)."""
-        if self.fallbacks == 0:
-            return []
-        gw, now = self.gw, self.gw.clock()
-        others = [
-            i
-            for i in gw.conductor.instances.values()
-            if i.id != primary and i.eligible and i.does_prefill and i.model == model
-        ]
-        others.sort(key=lambda i: (i.queue_time(now), i.bit_order))
-        return [self.endpoint(i.id) for i in others[: self.fallbacks]]
-
     def too_large(self, size: int) -> Immediate | None:
         """413, as `kvgate serve` answers, once the body grows past ``server.max_body_bytes``."""
         limit = self.gw.settings.server.max_body_bytes
@@ -193,7 +142,7 @@ class Picker:
             body = error_body("no healthy engine", "service_unavailable", code="no_healthy")
             return Immediate(503, body, [(b"retry-after", b"1")])
         best = min(live, key=lambda i: (i.queue_time(now), i.bit_order))
-        return Passthrough([self.endpoint(best.id)])
+        return Passthrough([self.addresses.of(best.id)])
 
     async def pick(self, path: str, headers: dict[str, str], raw: bytes) -> Outcome:
         """``headers``: lower-case names. Envoy sets x-request-id; it keys the books unless
@@ -276,8 +225,7 @@ class Picker:
         try:
             await self.gw.replicator.before_prefill(path, parsed, decision)
             record = DecisionRecord.of(rid, gw.clock(), decision)
-            endpoints = [self.endpoint(decision.prefill)]
-            endpoints += self._alternatives(decision.prefill, parsed.info.model)
+            endpoints = self.addresses.for_pick(decision.prefill, parsed.info.model)
         except BaseException:  # e.g. an engine name that no longer resolves, or cancelled
             gw.conductor.failed(rid, gw.clock())
             gw.drain.leave(rid)
@@ -309,9 +257,7 @@ class Picker:
             gw = self.gw
             gw.metrics.retries.inc()
             gw.legs.failed(f.decision.prefill, Failure.CONNECT)
-            iid = next(
-                (i for i, t in gw.targets.items() if self._endpoints.get(t.url) == served), None
-            )
+            iid = self.addresses.instance_at(served)
             moved = gw.conductor.rebook(f.request_id, iid, gw.clock()) if iid else None
             if moved is not None:
                 f.decision, f.rebooked = moved, True

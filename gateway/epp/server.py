@@ -126,7 +126,7 @@ async def start_epp(
     ext_proc cluster uses that); a separate one for Kubernetes probes is optional."""
     await gw.startup()
     picker = Picker(gw, fallbacks, timeouts)
-    unresolved = picker.resolve_all()
+    unresolved = picker.addresses.resolve_all()
     if unresolved:  # tried again when picked; a pick that still fails is Envoy's 500
         log.warning("engine host names not resolved yet: %s", ", ".join(unresolved))
     processor = ExternalProcessor(picker)

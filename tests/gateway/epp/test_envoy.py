@@ -34,7 +34,7 @@ def stack():
 
 
 def _engine_of(ts, instance_id: str) -> str:
-    return ts.call(ts.stack.epp.picker.endpoint, instance_id)
+    return ts.call(ts.stack.epp.picker.addresses.of, instance_id)
 
 
 def test_openai_sdk_non_streaming_reaches_the_picked_engine(stack) -> None:

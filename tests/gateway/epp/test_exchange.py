@@ -26,8 +26,9 @@ from config.settings import (
     Settings,
 )
 from gateway.epp import protocol as pr
+from gateway.epp.engine_addresses import endpoint_of
 from gateway.epp.exchange import Exchange
-from gateway.epp.picker import Picker, endpoint_of
+from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
 
 Mode = processing_mode_pb2.ProcessingMode
@@ -88,12 +89,6 @@ def _set_headers(mutation: ext.HeaderMutation) -> dict[str, str]:
 
 def _run(coro):
     return asyncio.run(coro)
-
-
-def test_endpoint_of_gives_ip_and_port() -> None:
-    assert endpoint_of("http://10.1.2.3:8000/") == "10.1.2.3:8000"
-    assert endpoint_of("http://localhost:41003") in ("127.0.0.1:41003", "[::1]:41003")
-    assert endpoint_of("http://[::1]:9000") == "[::1]:9000"
 
 
 def test_duplex_request_is_held_then_picked_and_streamed_back() -> None:
@@ -297,7 +292,7 @@ def test_a_failure_after_the_decision_still_closes_the_books() -> None:
         def unresolvable(instance_id: str) -> str:
             raise OSError(f"cannot resolve {instance_id}")
 
-        picker.endpoint = unresolvable  # type: ignore[method-assign]
+        picker.addresses.of = unresolvable  # type: ignore[method-assign]
         ex = Exchange(picker)
         await ex.handle(_request_headers())
         with pytest.raises(OSError):
