@@ -9,7 +9,8 @@ of every response) and what the client saw: engine prefix hit ratio, mean / p90 
 the load split over the engines (``x-kvgate-prefill``), errors; plus kvgate's own view
 (``kvgate_cache_hit_ratio`` and the engine-reported gauge where the gateway exports it) so the
 two can be compared. The workload's bound is the hit ratio of one infinite cache (every system
-prompt cached after its first use). Every process started here is ended by PID.
+prompt cached after its first use); for llama.cpp also that of instances × slots prompts at most
+(Belady's MIN, bench/cache_bounds.py). Every process started here is ended by PID.
 
     python -m bench.real_prefix_routing --engine llamacpp --instances 3 --requests 240 \\
         --json out/real-prefix-llamacpp.json
@@ -33,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.cache_bounds import min_misses_hits
 from bench.kvgate_serve import free_port, kvgate_serve
 from tests.real.engines import EngineProcess, start_llama_server, start_vllm, stop_engine
 
@@ -77,6 +79,7 @@ class RequestRecord:
     """One completed request, for per-request analysis of the TTFT tail."""
 
     pick: int  # system prompt index
+    index: int  # the request's place in the workload (the order requests are sent in)
     prompt_tokens: int
     cached_tokens: int  # as the engine reported
     engine: str  # x-kvgate-prefill
@@ -94,19 +97,18 @@ class RunResult:
     predictors: dict[str, Any] = field(default_factory=dict)  # /admin/predictors at the end
     per_request: list[RequestRecord] = field(default_factory=list)  # completed, in finish order
     started_s: float = 0.0  # perf_counter at the run's start
+    cache_lines: int | None = None  # prompts the fleet's per-slot caches hold (llama.cpp)
 
-    def bound_cached_tokens(self) -> int:
-        """Cached tokens with one infinite cache: every repeat of a system prompt reuses the
-        most any engine ever reported cached for that prompt in this run."""
+    def bound_cached_tokens(self, lines: int | None = None) -> int:
+        """Cached tokens with one infinite cache (``lines`` None): every repeat of a system
+        prompt reuses the most any engine ever reported cached for that prompt in this run;
+        with room for ``lines`` prompts, only the repeats Belady's MIN keeps."""
         best: dict[int, int] = {}
         for r in self.per_request:
             best[r.pick] = max(best.get(r.pick, 0), r.cached_tokens)
-        seen: set[int] = set()
-        total = 0
-        for r in self.per_request:
-            total += best[r.pick] if r.pick in seen else 0
-            seen.add(r.pick)
-        return total
+        ordered = sorted(self.per_request, key=lambda r: r.index)
+        hits = min_misses_hits([r.pick for r in ordered], lines or max(1, len(best)))
+        return sum(best[r.pick] for r, hit in zip(ordered, hits, strict=True) if hit)
 
     def summary(self) -> dict[str, Any]:
         t = sorted(r.ttft_s for r in self.per_request)
@@ -121,6 +123,12 @@ class RunResult:
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "bound_hit_ratio": self.bound_cached_tokens() / max(1, prompt),
+            # per-slot caches (llama.cpp): the most a fleet of cache_lines slots could hit
+            "slots_bound_hit_ratio": (
+                self.bound_cached_tokens(self.cache_lines) / max(1, prompt)
+                if self.cache_lines
+                else None
+            ),
             "ttft_mean_s": sum(t) / n if n else None,
             "ttft_p50_s": t[n // 2] if n else None,
             "ttft_p90_s": t[min(n - 1, int(0.9 * n))] if n else None,
@@ -169,12 +177,15 @@ async def _one(
     if first is None:
         out.errors["no_token"] += 1
         return
-    record = RequestRecord(wl.picks[i], prompt, cached, engine, t0 - out.started_s, first - t0)
+    record = RequestRecord(wl.picks[i], i, prompt, cached, engine, t0 - out.started_s, first - t0)
     out.per_request.append(record)
 
 
-async def drive(url: str, model: str, wl: Workload, concurrency: int, budget_s: float, policy: str):
-    out = RunResult(policy)
+async def drive(
+    url: str, model: str, wl: Workload, concurrency: int, budget_s: float, policy: str,
+    cache_lines: int | None = None,
+):  # fmt: skip
+    out = RunResult(policy, cache_lines=cache_lines)
     queue = list(range(len(wl.picks)))
     queue.reverse()
     deadline = time.monotonic() + budget_s
@@ -278,7 +289,8 @@ def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -
         )
         with kvgate_serve(cfg, port, tmp / f"kvgate-{policy}.log") as url:
             model = engines[0].model
-            res = asyncio.run(drive(url, model, wl, args.concurrency, args.budget_s, policy))
+            lines = args.instances * args.slots if args.engine == "llamacpp" else None
+            res = asyncio.run(drive(url, model, wl, args.concurrency, args.budget_s, policy, lines))
         return res.summary()
     finally:
         for e in engines:
