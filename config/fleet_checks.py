@@ -108,20 +108,32 @@ def _check_kv_connectors(c: Checker, disaggregated: list[tuple[str, InstanceSett
             return
 
 
-def _check_instance(c: Checker, key: str, inst: InstanceSettings, pool: PoolSettings) -> None:
-    c.non_empty(f"{key}.id", inst.id)
-    parts = urlsplit(inst.url)
+def _check_url(c: Checker, key: str, url: str) -> None:
+    parts = urlsplit(url)
     c.require(
         parts.scheme in ("http", "https") and bool(parts.hostname),
-        f"{key}.url",
-        inst.url,
+        key,
+        url,
         "must be an http:// or https:// URL with a host",
     )
     try:
         port_ok = parts.port is None or parts.port >= 1
     except ValueError:  # non-numeric or > 65535
         port_ok = False
-    c.require(port_ok, f"{key}.url", inst.url, "has an invalid port (must be 1..65535)")
+    c.require(port_ok, key, url, "has an invalid port (must be 1..65535)")
+
+
+def _check_instance(c: Checker, key: str, inst: InstanceSettings, pool: PoolSettings) -> None:
+    c.non_empty(f"{key}.id", inst.id)
+    _check_url(c, f"{key}.url", inst.url)
+    if inst.sidecar_url is not None:
+        _check_url(c, f"{key}.sidecar_url", inst.sidecar_url)
+        c.require(
+            inst.role is Role.DECODE,
+            f"{key}.sidecar_url",
+            inst.sidecar_url,
+            f'is only used on decode instances (this one is "{inst.role}")',
+        )
     c.require(
         inst.role is pool.role,
         f"{key}.role",

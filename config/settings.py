@@ -229,6 +229,9 @@ class InstanceSettings:
     model: str | None = None
     # vLLM P/D KV connector style; inherited from the pool; None = nixl for vLLM P/D.
     kv_connector: KVConnector | None = None
+    # `kvgate epp` with P/D pools: the decode-side sidecar in front of this decode instance
+    # (`kvgate pd-sidecar`, or llm-d's pd-sidecar); Envoy sends the instance's requests there.
+    sidecar_url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

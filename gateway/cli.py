@@ -70,6 +70,12 @@ def _epp(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _pd_sidecar(args: argparse.Namespace) -> int:
+    from gateway.epp.sidecar_cli import main
+
+    return main(args)
+
+
 def _emulate(args: argparse.Namespace) -> int:
     from replay.emulator.cli import main
 
@@ -123,6 +129,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "Extension)",
             "gateway.epp.cli",
             _epp,
+        ),
+        (
+            "pd-sidecar",
+            "run the P/D sidecar in front of a decode engine (behind Envoy and `kvgate epp`)",
+            "gateway.epp.sidecar_cli",
+            _pd_sidecar,
         ),
         (
             "emulate",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -49,6 +50,41 @@ def quiet_server_class() -> type[uvicorn.Server]:
             yield
 
     return GatewayServer
+
+
+@dataclasses.dataclass(slots=True)
+class RunningServer:
+    """A uvicorn server on this event loop (``start_server``) and the port it bound."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_server(
+    app: object, host: str, port: int, *, lifespan: str = "off", signals: bool = False
+) -> RunningServer:
+    """Serve the ASGI ``app`` on ``host:port`` (0: an ephemeral port) in this event loop until
+    ``stop``; ``signals``: uvicorn handles SIGINT/SIGTERM, else the caller keeps its own."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan=lifespan)
+    server = uvicorn.Server(config) if signals else quiet_server_class()(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # e.g. the port is taken: uvicorn logged why and exited
+            task.result()
+            raise OSError(f"cannot serve HTTP on {host}:{port}")
+        await asyncio.sleep(0.01)
+    return RunningServer(server, task, server.servers[0].sockets[0].getsockname()[1])
 
 
 class Lifecycle:

@@ -129,14 +129,17 @@ class RequestProgress:
         """The request runs on ``instance_id``, not where it was decided: a proxy in front (Envoy
         behind the endpoint picker) could not reach the pick and took a fallback. The books
         follow it there, priced as that instance serves it (its own cached prefix, its queue,
-        recomputing the rest); the pick forgets the route it was credited with. Only for a
-        colocated decision before its first token; returns the new decision, else None."""
+        recomputing the rest); the pick forgets the route it was credited with. A P/D request
+        whose decode instance could not be reached (its sidecar) moves its decode only. Before
+        its first token; returns the new decision, else None (nothing moved)."""
         rec = self.requests.get(request_id)
         target = self.instances.get(instance_id)
         if rec is None or target is None or rec.first_token_s is not None:
             return None
         d, req = rec.decision, rec.request
-        if d.prefill != d.decode or d.prefill == instance_id or rec.prefill_done_s is not None:
+        if d.prefill != d.decode:
+            return self._rebook_decode(rec, target, now)
+        if d.prefill == instance_id or rec.prefill_done_s is not None:
             return None
         self._drop(request_id, now)
         if rec.routed:
@@ -164,6 +167,20 @@ class RequestProgress:
         self.dispatched(moved, req, now)
         self.requests[request_id].dispatched_s = rec.dispatched_s  # its TTFT counts from then
         return moved
+
+    def _rebook_decode(
+        self, rec: RequestRecord, target: InstanceState, now: float
+    ) -> Decision | None:
+        d = rec.decision
+        planned = self.instances.get(d.decode)
+        if target.id == d.decode or not target.does_decode or target.does_prefill:
+            return None
+        work = planned.remove_decode(d.request_id, now) if planned is not None else None
+        if work is None:
+            return None
+        target.add_incoming(work)
+        rec.decision = replace(d, decode=target.id, reason="fallback")
+        return rec.decision
 
     def prefill_done(self, request_id: str, now: float) -> None:
         rec = self.requests.get(request_id)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 
-from config.settings import Role
+from config.settings import PDProtocol, Role
 
 log = logging.getLogger("kvgate.epp")
 
@@ -58,12 +58,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_supported(settings) -> str | None:
-    """Why this config cannot run behind Envoy yet, or None."""
-    if any(i.role is not Role.BOTH for i in settings.instances()):
-        return (
-            "prefill/decode pools are not supported by `kvgate epp` yet (colocated pools "
-            "only; use `kvgate serve` for P/D, docs/epp.md)"
-        )
+    """Why this config cannot run behind Envoy, or None. P/D pools need a sidecar in front
+    of every decode instance (``sidecar_url``: `kvgate pd-sidecar` or llm-d's pd-sidecar),
+    and vLLM's protocol (the sidecars speak vLLM's KV connectors, not SGLang's bootstrap)."""
+    for inst in settings.instances():
+        if inst.role is Role.DECODE and inst.sidecar_url is None:
+            return (
+                f"decode instance {inst.id!r} has no sidecar_url: behind Envoy a P/D request "
+                "goes to its decode instance's sidecar (`kvgate pd-sidecar`), docs/epp.md"
+            )
+        if inst.role is not Role.BOTH and inst.protocol is not PDProtocol.VLLM:
+            return (
+                f"instance {inst.id!r}: P/D behind Envoy speaks vLLM's KV connectors only "
+                f'(protocol "{inst.protocol}"); use `kvgate serve` for SGLang P/D'
+            )
     return None
 
 

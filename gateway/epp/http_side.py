@@ -8,9 +8,6 @@ picker's own SIGTERM drain and SIGHUP reload stay in charge (gateway/epp/server.
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,6 +15,7 @@ from starlette.routing import Route
 
 from gateway.admin import AdminAPI
 from gateway.runtime import Gateway
+from gateway.serve import RunningServer, start_server
 from gateway.tenants import TenantGate
 
 
@@ -38,34 +36,6 @@ def http_app(gw: Gateway, tenants: TenantGate) -> Starlette:
     )
 
 
-@dataclass(slots=True)
-class HttpSide:
-    """The running HTTP server and the port it bound."""
-
-    server: object  # uvicorn.Server
-    task: asyncio.Task[None]
-    port: int
-
-    async def stop(self) -> None:
-        self.server.should_exit = True  # type: ignore[attr-defined]
-        await self.task
-
-
-async def start_http(gw: Gateway, tenants: TenantGate, host: str, port: int) -> HttpSide:
-    """Serve the port (0: an ephemeral one) until ``HttpSide.stop``."""
-    import uvicorn
-
-    from gateway.serve import quiet_server_class
-
-    config = uvicorn.Config(
-        http_app(gw, tenants), host=host, port=port, log_level="warning", lifespan="off"
-    )
-    server = quiet_server_class()(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():  # e.g. the port is taken: uvicorn logged why and exited
-            task.result()
-            raise OSError(f"cannot serve HTTP on {host}:{port}")
-        await asyncio.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    return HttpSide(server, task, bound)
+async def start_http(gw: Gateway, tenants: TenantGate, host: str, port: int) -> RunningServer:
+    """Serve the port (0: an ephemeral one) until ``stop``."""
+    return await start_server(http_app(gw, tenants), host, port)

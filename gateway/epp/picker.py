@@ -22,8 +22,10 @@ the engine gets the request's traceparent through Envoy.
 Tenants (gateway/tenants.py) as under `kvgate serve`: API keys (401/403), rate limits (429)
 and the fair-share screen of a decision before it is booked, also for a waiting request.
 
-Not supported here (docs/epp.md): P/D pools (the picker refuses such a config), llama.cpp
-slot pinning (it rewrites the body), retries on another engine after the answer started.
+P/D pools: the request goes to its decode instance's sidecar (``sidecar_url``) with the
+prefill engine in ``x-prefiller-host-port`` (llm-d's protocol; gateway/epp/pd_sidecar.py runs
+the legs). Not supported here (docs/epp.md): llama.cpp slot pinning (it rewrites the body),
+retries on another engine after the answer started.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gateway.answers import (
 from gateway.decode_waits import Held
 from gateway.doomed_warmups import DoomedWarmups
 from gateway.epp.engine_addresses import EngineAddresses
+from gateway.epp.pd_sidecar import PREFILLER_HEADER
 from gateway.epp.protocol import MessageTimeouts
 from gateway.epp.request_spans import RequestSpans
 from gateway.learning import DecisionRecord
@@ -225,7 +228,13 @@ class Picker:
         try:
             await self.gw.replicator.before_prefill(path, parsed, decision)
             record = DecisionRecord.of(rid, gw.clock(), decision)
-            endpoints = self.addresses.for_pick(decision.prefill, parsed.info.model)
+            addresses = self.addresses
+            endpoints = addresses.for_pick(decision.prefill, decision.decode, parsed.info.model)
+            prefiller = (
+                [(PREFILLER_HEADER, addresses.of(decision.prefill))]
+                if decision.prefill != decision.decode
+                else []
+            )  # P/D: the decode instance's sidecar runs the prefill there (pd_sidecar.py)
         except BaseException:  # e.g. an engine name that no longer resolves, or cancelled
             gw.conductor.failed(rid, gw.clock())
             gw.drain.leave(rid)
@@ -237,7 +246,7 @@ class Picker:
             gw.metrics.best_effort.inc()
         answer = decision_headers(decision, rid)
         # x-request-id (the id kvgate keys its books with) and the trace context
-        upstream = [*answer[:1], *self.spans.placed(rid, decision.prefill)]
+        upstream = [*answer[:1], *self.spans.placed(rid, decision.prefill), *prefiller]
         return Flight(parsed, decision, record, endpoints, answer, upstream)
 
     def _count(self, parsed: ParsedRequest, outcome: str) -> None:
@@ -256,12 +265,12 @@ class Picker:
         if served and served != f.endpoints[0]:
             gw = self.gw
             gw.metrics.retries.inc()
-            gw.legs.failed(f.decision.prefill, Failure.CONNECT)
+            gw.legs.failed(f.decision.decode, Failure.CONNECT)  # where Envoy sent it
             iid = self.addresses.instance_at(served)
             moved = gw.conductor.rebook(f.request_id, iid, gw.clock()) if iid else None
             if moved is not None:
                 f.decision, f.rebooked = moved, True
-                f.record.prefill = f.record.decode = moved.prefill
+                f.record.prefill, f.record.decode = moved.prefill, moved.decode
                 f.record.reason = moved.reason
 
     def chunk(self, f: Flight, data: bytes) -> None:

@@ -21,6 +21,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
+from gateway.epp.pd_sidecar import PREFILLER_HEADER
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # The endpoint that served, as the proxy reports it (GIE; our Envoy config adds it to answers)
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
@@ -95,10 +97,12 @@ def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
     return md
 
 
-def pick_headers(
-    endpoints: Sequence[str], extra: HeaderPairs = ()
-) -> list[tuple[bytes | str, bytes | str]]:
-    return [(DESTINATION_HEADER, ",".join(endpoints)), *extra]
+def pick_mutation(endpoints: Sequence[str], extra: HeaderPairs = ()) -> ext.HeaderMutation:
+    """The pick's headers (``extra`` after the destination); a prefiller header the picker did
+    not set is removed."""
+    pairs = [(DESTINATION_HEADER, ",".join(endpoints)), *extra]
+    ours = any(_text(k).lower() == PREFILLER_HEADER for k, _ in pairs)
+    return header_mutation(pairs, () if ours else (PREFILLER_HEADER,))
 
 
 def routed_headers_response(
@@ -108,7 +112,7 @@ def routed_headers_response(
     return ext.ProcessingResponse(
         request_headers=ext.HeadersResponse(
             response=ext.CommonResponse(
-                header_mutation=header_mutation(pick_headers(endpoints, extra)),
+                header_mutation=pick_mutation(endpoints, extra),
                 clear_route_cache=True,  # the route may depend on the new header
             )
         ),
@@ -123,7 +127,7 @@ def routed_body_response(
     return ext.ProcessingResponse(
         request_body=ext.BodyResponse(
             response=ext.CommonResponse(
-                header_mutation=header_mutation(pick_headers(endpoints, extra)),
+                header_mutation=pick_mutation(endpoints, extra),
                 clear_route_cache=True,
             )
         ),

@@ -24,10 +24,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Exchange
-from gateway.epp.http_side import HttpSide, start_http
+from gateway.epp.http_side import start_http
 from gateway.epp.picker import Picker
 from gateway.epp.protocol import EXT_PROC_SERVICE, MessageTimeouts
 from gateway.runtime import Gateway
+from gateway.serve import RunningServer
 
 log = logging.getLogger("kvgate.epp")
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
@@ -76,7 +77,7 @@ class EppServer:
     grpc_server: grpc.aio.Server
     health_server: grpc.aio.Server | None
     health: health.HealthServicer
-    http: HttpSide | None  # /metrics, /books and the admin API (--metrics-port)
+    http: RunningServer | None  # /metrics, /books and the admin API (--metrics-port)
     port: int
     health_port: int
     metrics_port: int | None

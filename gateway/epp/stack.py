@@ -16,11 +16,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
+from config.settings import (
+    InstanceSettings,
+    KVConnector,
+    PDProtocol,
+    PoolSettings,
+    Role,
+    Settings,
+)
 from gateway.epp.envoy import envoy_config, start_envoy
+from gateway.epp.pd_sidecar import PdSidecar
 from gateway.epp.protocol import MessageTimeouts
 from gateway.epp.server import EppServer, start_epp
+from gateway.epp.sidecar_cli import start_sidecar
 from gateway.runtime import Gateway
+from gateway.serve import RunningServer
 from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
 
 
@@ -33,13 +43,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass(slots=True)
 class EppStackSpec:
     engines: int = 2  # colocated emulators (ignored when ``urls`` is given)
+    # P/D instead: this many prefill and as many decode emulators (vLLM NIXL-style), a
+    # `kvgate pd-sidecar` in front of each decode one (Envoy's endpoints: the sidecars)
+    pd: int = 0
     urls: tuple[str, ...] = ()  # engines already running (e.g. bench/stub_engine.py)
+    # ... or instances already running, as they are, except that a decode instance without a
+    # sidecar_url gets a `kvgate pd-sidecar` started here (e.g. a real vLLM NIXL pair)
+    instances: tuple[InstanceSettings, ...] = ()
     profile: str = "llama3-8b-h100-tp1"
     time_scale: float = 0.05
     block_size: int = 16
     kv_events: bool = True
     fail_open: bool = False
     fallbacks: int = 1
+    health_interval_s: float = 0.5  # the gateway's engine probes (real CPU engines: longer)
     timeouts: MessageTimeouts = field(default_factory=MessageTimeouts)  # Envoy's, and the picker's
     workdir: Path = Path("/tmp/epp")
     base: Settings = field(default_factory=Settings)
@@ -49,6 +66,7 @@ class EppStack:
     def __init__(self, spec: EppStackSpec) -> None:
         self.spec = spec
         self.emulators: dict[str, RunningEmulator] = {}
+        self.sidecars: dict[str, RunningServer] = {}  # decode instance id -> its sidecar
         self.gateway: Gateway | None = None
         self.epp: EppServer | None = None
         self.envoy: subprocess.Popen[bytes] | None = None
@@ -60,18 +78,31 @@ class EppStack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_port}"
 
+    async def _sidecar_for(self, inst: InstanceSettings) -> InstanceSettings:
+        if inst.role is not Role.DECODE or inst.sidecar_url is not None:
+            return inst
+        app = PdSidecar(inst.url, inst.kv_connector or KVConnector.NIXL)
+        self.sidecars[inst.id] = await start_sidecar(app)
+        return replace(inst, sidecar_url=self.sidecars[inst.id].url)
+
     async def _instances(self) -> list[InstanceSettings]:
         s = self.spec
+        if s.instances:
+            return [await self._sidecar_for(i) for i in s.instances]
         if s.urls:
             return [
                 InstanceSettings(id=f"e{i}", url=u, role=Role.BOTH, protocol=PDProtocol.VLLM)
                 for i, u in enumerate(s.urls)
             ]
+        roles = [(f"c{i}", Role.BOTH) for i in range(s.engines)]
+        if s.pd:
+            pd = (Role.PREFILL, Role.DECODE)
+            roles = [(f"{r.value[0]}{i}", r) for r in pd for i in range(s.pd)]
         out = []
-        for i in range(s.engines):
+        for iid, role in roles:
             emu = await start_emulator(
                 EmulatorConfig(
-                    role=Role.BOTH,
+                    role=role,
                     profile=s.profile,
                     port=0,
                     time_scale=s.time_scale,
@@ -79,30 +110,32 @@ class EppStack:
                     kv_events_port=0 if s.kv_events else None,
                 )
             )
-            self.emulators[f"c{i}"] = emu
-            out.append(
-                InstanceSettings(
-                    id=f"c{i}",
-                    url=emu.url,
-                    role=Role.BOTH,
-                    protocol=PDProtocol.VLLM,
-                    profile=s.profile,
-                    kv_events_endpoint=emu.kv_events_endpoint,
-                    kv_events_bind=False if emu.kv_events_endpoint else None,
-                )
+            self.emulators[iid] = emu
+            inst = InstanceSettings(
+                id=iid,
+                url=emu.url,
+                role=role,
+                protocol=PDProtocol.VLLM,
+                profile=s.profile,
+                kv_events_endpoint=emu.kv_events_endpoint,
+                kv_events_bind=False if emu.kv_events_endpoint else None,
             )
+            out.append(await self._sidecar_for(inst))
         return out
 
     async def start(self) -> None:
         s = self.spec
         instances = await self._instances()
         base = s.base
+        by_role: dict[Role, list[InstanceSettings]] = {}
+        for inst in instances:
+            by_role.setdefault(inst.role, []).append(inst)
         self.settings = replace(
             base,
-            pools=(PoolSettings("workers", Role.BOTH, tuple(instances)),),
+            pools=tuple(PoolSettings(r.value, r, tuple(v)) for r, v in by_role.items()),
             routing=replace(base.routing, block_size=s.block_size),
             predictors=replace(base.predictors, profile=s.profile),
-            server=replace(base.server, health_interval_s=min(base.server.health_interval_s, 0.5)),
+            server=replace(base.server, health_interval_s=s.health_interval_s),
         )
         self.gateway = Gateway(self.settings)
         self.epp = await start_epp(self.gateway, port=0, fallbacks=s.fallbacks, timeouts=s.timeouts)
@@ -113,7 +146,9 @@ class EppStack:
         assert self.settings is not None
         engines = []
         for inst in self.settings.instances():
-            u = urlsplit(inst.url)
+            if inst.role is Role.PREFILL:
+                continue  # reached through the decode instances' sidecars only
+            u = urlsplit(inst.sidecar_url or inst.url)
             engines.append((u.hostname or "127.0.0.1", u.port or 80))
         self.envoy_port = free_port()
         config = envoy_config(
@@ -162,6 +197,10 @@ class EppStack:
         if self.epp is not None:
             with contextlib.suppress(Exception):
                 await self.epp.stop(0)
+        for sidecar in self.sidecars.values():
+            with contextlib.suppress(Exception):
+                await sidecar.stop()
+        self.sidecars.clear()
         for emu in self.emulators.values():
             with contextlib.suppress(Exception):
                 await emu.stop()

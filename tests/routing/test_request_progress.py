@@ -54,7 +54,19 @@ def test_rebook_refuses_what_it_cannot_move() -> None:
     assert c.rebook("r", other, 0.3) is None  # it answered: the books are right already
     assert c.requests["r"].decision is d
 
-    pd = make_conductor(prefill=2, decode=1)
-    split = _placed(pd, "s", prompt(3, 4))
-    assert split.prefill != split.decode
-    assert pd.rebook("s", "p1" if split.prefill == "p0" else "p0", 0.1) is None  # P/D: not moved
+
+def test_a_pd_request_moves_only_its_decode_to_the_decode_instance_that_served() -> None:
+    c = make_conductor(prefill=2, decode=2)
+    d = _placed(c, "s", prompt(3, 4))
+    assert d.prefill != d.decode
+    other = "d1" if d.decode == "d0" else "d0"
+    assert c.rebook("s", "p1" if d.prefill == "p0" else "p0", 0.1) is None  # not a decode
+    moved = c.rebook("s", other, 0.1)
+    assert moved is not None and moved.decode == other and moved.prefill == d.prefill
+    assert moved.reason == "fallback"
+    assert "s" in c.instances[other].incoming and "s" not in c.instances[d.decode].incoming
+    assert "s" in c.instances[d.prefill].prefill_queue  # the prefill stays where it was
+    assert c.rebook("s", other, 0.2) is None  # already there
+    c.first_token("s", 1.0)
+    c.finished("s", 2.0, output_tokens=3)
+    assert not c.requests and all(not i.running and not i.incoming for i in c.instances.values())

@@ -23,14 +23,14 @@ def test_the_pick_comes_first_then_the_least_queued_eligible_others() -> None:
     gw.conductor.instances["b"].enqueue_prefill("busy", 60.0, 1024, now, now)
     addresses = EngineAddresses(gw, fallbacks=2)
     assert addresses.resolve_all() == []
-    assert addresses.for_pick("a", None) == [
+    assert addresses.for_pick("a", "a", None) == [
         endpoint_of(URLS["a"]),
         endpoint_of(URLS["c"]),  # idle
         endpoint_of(URLS["b"]),  # a minute of queued prefill
     ]
     gw.conductor.drain_instance("c")
-    assert addresses.for_pick("a", None) == [endpoint_of(URLS["a"]), endpoint_of(URLS["b"])]
-    assert EngineAddresses(gw, fallbacks=0).for_pick("a", None) == [endpoint_of(URLS["a"])]
+    assert addresses.for_pick("a", "a", None) == [endpoint_of(URLS["a"]), endpoint_of(URLS["b"])]
+    assert EngineAddresses(gw, fallbacks=0).for_pick("a", "a", None) == [endpoint_of(URLS["a"])]
     with pytest.raises(ValueError):
         EngineAddresses(gw, fallbacks=-1)
 

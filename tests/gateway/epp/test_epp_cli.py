@@ -41,7 +41,7 @@ def test_help_imports_no_grpc() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_pd_config_is_refused_with_a_clear_error() -> None:
+def test_pd_config_without_sidecars_is_refused_with_a_clear_error() -> None:
     out = subprocess.run(
         _kvgate("epp", "--config", str(PD), "--port", "0"),
         capture_output=True,
@@ -50,7 +50,8 @@ def test_pd_config_is_refused_with_a_clear_error() -> None:
         cwd=ROOT,
     )
     assert out.returncode == 2
-    assert "not supported by `kvgate epp` yet" in out.stderr
+    assert "has no sidecar_url" in out.stderr and "kvgate pd-sidecar" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_a_bad_message_timeout_is_refused_with_a_clear_error() -> None:

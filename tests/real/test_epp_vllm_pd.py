@@ -1,0 +1,88 @@
+"""P/D behind a real Envoy with real engines: `kvgate epp` picks the prefill and decode vLLM
+of a NixlConnector pair (UCX over TCP on loopback), Envoy sends each request to the decode
+engine's `kvgate pd-sidecar`, which runs the prefill leg there and the decode with the KV it
+pulls. The openai SDK, completions and chat, streamed and not: the decode engine computes
+none of the prompt (vllm:prompt_tokens_by_source_total), and the books close."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import openai
+import pytest
+
+from config.settings import (
+    AdmissionMode,
+    InstanceSettings,
+    KVConnector,
+    PDProtocol,
+    Role,
+    Settings,
+)
+from tests.gateway.epp.envoy_stack import envoy_stack, require_envoy
+from tests.real.conftest import EngineInstall
+from tests.real.engines import free_ports, stop_engine
+from tests.real.pd_harness import (
+    openai_call,
+    prompt_tokens_by_source,
+    salted,
+    start_nixl_pair,
+    warm_nixl_handshake,
+)
+
+pytestmark = pytest.mark.real_engine
+
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 10  # ~500 tokens
+
+
+@pytest.fixture(scope="module")
+def epp_pd(vllm_install: EngineInstall, tmp_path_factory: pytest.TempPathFactory):
+    from gateway.epp.stack import EppStackSpec
+
+    require_envoy()
+    p_port, d_port = free_ports(2, lo=18520, hi=18550)
+    side = free_ports(2, lo=18550, hi=18600)
+    prefill, decode = start_nixl_pair([p_port, d_port], side)
+    try:
+
+        def inst(iid: str, url: str, role: Role) -> InstanceSettings:
+            return InstanceSettings(
+                iid, url, role, protocol=PDProtocol.VLLM, kv_connector=KVConnector.NIXL
+            )
+
+        base = Settings()
+        spec = EppStackSpec(
+            instances=(inst("p0", prefill.url, Role.PREFILL), inst("d0", decode.url, Role.DECODE)),
+            base=replace(base, admission=replace(base.admission, mode=AdmissionMode.NONE)),
+            block_size=32,
+            kv_events=False,
+            # CPU engines busy with a prefill answer /health late: probes far apart, so that
+            # three slow answers in a row do not eject the only decode instance
+            health_interval_s=10.0,
+            workdir=Path(tmp_path_factory.mktemp("epp-pd")),
+        )
+        with envoy_stack(spec) as ts:
+            warm_nixl_handshake(ts.url)
+            yield ts, prefill, decode
+    finally:
+        stop_engine(decode)
+        stop_engine(prefill)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_through_envoy_the_decode_engine_takes_every_prompt_token_from_the_transfer(
+    epp_pd, endpoint: str, stream: bool
+) -> None:
+    ts, prefill, decode = epp_pd
+    client = openai.OpenAI(base_url=ts.url + "/v1", api_key="unused", max_retries=0)
+    p_before, d_before = prompt_tokens_by_source(prefill), prompt_tokens_by_source(decode)
+    answer_tokens, prompt_tokens = openai_call(client, endpoint, stream, salted(TEXT))
+    p_after, d_after = prompt_tokens_by_source(prefill), prompt_tokens_by_source(decode)
+    assert answer_tokens > 0 and prompt_tokens > 400
+    d_delta = {k: d_after[k] - d_before[k] for k in d_after}
+    assert d_delta["external_kv_transfer"] == prompt_tokens, d_delta
+    assert d_delta["local_compute"] == 0 and d_delta["local_cache_hit"] == 0, d_delta
+    assert p_after["local_compute"] - p_before["local_compute"] == prompt_tokens
+    assert ts.wait_books_empty(30.0) == (0, 0)
