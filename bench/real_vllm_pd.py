@@ -6,6 +6,9 @@ streamed completions, TTFT taken by the client at the first token event:
 
 - ``pd_kvgate``: kvgate (``kvgate serve``, kv_connector "nixl") in front of a prefill + decode
   pair joined by vLLM's NixlConnector (UCX over TCP on loopback);
+- ``pd_epp``: the same pair behind a real Envoy steered by ``kvgate epp``, with
+  ``kvgate pd-sidecar`` in front of the decode engine (docs/epp.md; skipped without an envoy
+  binary);
 - ``pd_direct``: the same pair, the client running both legs itself (the protocol's own cost);
 - ``colocated_direct``: one plain vLLM, the client talking to it directly;
 - ``colocated_kvgate``: the same vLLM behind kvgate (the gateway's own share of the difference).
@@ -28,11 +31,13 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from gateway.epp.envoy import find_envoy
 from tests.real.engines import EngineProcess, free_ports, start_vllm, stop_engine
 from tests.real.pd_harness import KvgateProcess, start_nixl_pair
 
@@ -144,6 +149,33 @@ def _external_kv_tokens(engine: EngineProcess) -> float:
     return 0.0
 
 
+def _through_envoy(
+    args: argparse.Namespace, tmp: Path, prefill: EngineProcess, decode: EngineProcess
+) -> dict[str, Any]:
+    from config.settings import AdmissionMode, InstanceSettings, KVConnector, Role, Settings
+    from gateway.epp.stack import EppStackSpec
+    from tests.gateway.epp.envoy_stack import envoy_stack
+
+    base = Settings()
+    nixl = KVConnector.NIXL
+    spec = EppStackSpec(
+        instances=(
+            InstanceSettings("p0", prefill.url, Role.PREFILL, kv_connector=nixl),
+            InstanceSettings("d0", decode.url, Role.DECODE, kv_connector=nixl),
+        ),
+        base=replace(base, admission=replace(base.admission, mode=AdmissionMode.NONE)),
+        block_size=32,
+        kv_events=False,
+        health_interval_s=10.0,  # as _config: a busy engine's late /health must not eject it
+        workdir=tmp / "epp",
+    )
+    with envoy_stack(spec) as ts:
+        before = _external_kv_tokens(decode)
+        out = asyncio.run(measure(ts.url, args.requests, args.warmup, args.max_tokens))
+        out["decode_external_kv_tokens"] = _external_kv_tokens(decode) - before
+    return out
+
+
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     p_port, d_port, gw_port = free_ports(3, lo=args.port_base, hi=args.port_base + 40)
@@ -162,6 +194,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             raise
         finally:
             gw.stop()
+        if find_envoy() is not None:
+            results["pd_epp"] = _through_envoy(args, tmp, prefill, decode)
         results["pd_direct"] = asyncio.run(
             measure(decode.url, args.requests, args.warmup, args.max_tokens, prefill.url)
         )
