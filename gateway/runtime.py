@@ -95,6 +95,9 @@ class Gateway:
         )
         # llama.cpp instances: which slot each request is pinned to (filled as /slots is read)
         self.slot_book = SlotBook(max_waiting=settings.routing.llamacpp_slot_max_waiting)
+        # `kvgate epp` with P/D: Envoy reaches decode instances through their sidecars, so
+        # that is what is probed (a dead sidecar would otherwise look healthy)
+        self.health_via_sidecars = False
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.served_models = ServedModels(
@@ -151,6 +154,16 @@ class Gateway:
     def _http_targets(self) -> dict[str, str]:
         return {iid: t.url for iid, t in self.targets.items()}
 
+    def _health_targets(self) -> dict[str, str]:
+        """Where each instance's health is probed: its engine, or behind Envoy
+        (``health_via_sidecars``) its P/D sidecar, which answers for itself and its engine."""
+        out = self._http_targets()
+        if self.health_via_sidecars:
+            for iid, spec in self.specs.items():
+                if spec.sidecar_url and iid in out:
+                    out[iid] = spec.sidecar_url
+        return out
+
     def _engine_kinds(self) -> dict[str, str]:
         return {iid: str(spec.engine) for iid, spec in self.specs.items()}
 
@@ -193,7 +206,7 @@ class Gateway:
 
     def _refresh_background_targets(self) -> None:
         if self.legs.checker is not None:
-            self.legs.checker.set_targets(self._http_targets())
+            self.legs.checker.set_targets(self._health_targets())
         if self.scraper is not None:
             self.scraper.set_targets(self._http_targets(), self._engine_kinds())
 
@@ -281,7 +294,7 @@ class Gateway:
         srv = self.settings.server
         health = self.legs.checker = HealthChecker(
             self.session,
-            self._http_targets(),
+            self._health_targets(),
             interval_s=srv.health_interval_s,
             timeout_s=srv.health_timeout_s,
             on_change=self.legs.changed,

@@ -125,6 +125,7 @@ async def start_epp(
     """Starts the gateway's background work and the servers (port 0: an ephemeral port).
     ``health_port`` None: health is served on the ext_proc port (Envoy's check of the
     ext_proc cluster uses that); a separate one for Kubernetes probes is optional."""
+    gw.health_via_sidecars = True  # Envoy reaches P/D decode instances through them
     await gw.startup()
     picker = Picker(gw, fallbacks, timeouts)
     unresolved = picker.addresses.resolve_all()

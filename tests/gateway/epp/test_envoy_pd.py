@@ -81,3 +81,24 @@ def test_pd_requests_in_parallel_leave_the_books_at_zero(pd) -> None:
     assert all(status == 200 for status, _, _ in results)
     assert {p for _, p, _ in results} <= {"p0", "p1"} and {d for _, _, d in results} <= {"d0", "d1"}
     assert pd.wait_books_empty() == (0, 0)
+
+
+def test_a_dead_sidecar_takes_its_decode_instance_out_of_the_picks(pd) -> None:
+    """Last in this module (it stops d0's sidecar; pytest runs a module in file order). The
+    gateway probes P/D decode instances through their sidecars, so a dead sidecar in front of
+    a healthy engine is seen and its instance is no longer picked; every request then goes to
+    d1 at once."""
+    import time
+
+    gw = pd.gateway
+    pd.run(pd.stack.sidecars["d0"].stop())
+    deadline = time.monotonic() + 15
+    while pd.call(lambda: gw.conductor.instances["d0"].eligible) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pd.call(lambda: gw.conductor.instances["d0"].eligible)
+    retries = pd.call(lambda: gw.metrics.retries._value.get())
+    with Http(pd.url) as http:
+        for i in range(4):
+            r = http.post("/v1/completions", json={"model": "m", "prompt": f"after {i} " * 20})
+            assert r.status_code == 200 and r.headers["x-kvgate-decode"] == "d1"
+    assert pd.call(lambda: gw.metrics.retries._value.get()) == retries  # no detours via d0
