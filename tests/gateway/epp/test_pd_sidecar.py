@@ -127,10 +127,11 @@ def test_other_paths_pass_to_the_decode_engine() -> None:
 
 
 def _leave_during_prefill(connector: KVConnector) -> tuple[int, int]:
-    """Prefill and decode legs the engines saw when the client left 0.1 s into a 1 s prefill."""
+    """Prefill and decode legs the engines saw when the client left early in a 2 s prefill
+    (long enough for a loaded machine to notice the disconnect before it ends)."""
 
     async def test(url, prefiller, p, d):
-        p.delay_s = 1.0
+        p.delay_s = 2.0
         async with aiohttp.ClientSession() as s:
             req = asyncio.ensure_future(
                 s.post(url + "/v1/completions", json=BODY, headers={PREFILLER_HEADER: prefiller})
@@ -140,7 +141,7 @@ def _leave_during_prefill(connector: KVConnector) -> tuple[int, int]:
                     break
                 await asyncio.sleep(0.01)
             req.cancel()  # the client goes away mid-prefill
-        await asyncio.sleep(1.5)  # past the prefill's answer
+        await asyncio.sleep(2.5)  # past the prefill's answer
         return len(p.seen), len(d.seen)
 
     return _with_stubs(test, connector)
