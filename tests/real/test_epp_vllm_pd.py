@@ -86,3 +86,37 @@ def test_through_envoy_the_decode_engine_takes_every_prompt_token_from_the_trans
     assert d_delta["local_compute"] == 0 and d_delta["local_cache_hit"] == 0, d_delta
     assert p_after["local_compute"] - p_before["local_compute"] == prompt_tokens
     assert ts.wait_books_empty(30.0) == (0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_client_leaving_through_envoy_during_the_prefill_frees_the_prefill_blocks(
+    epp_pd, stream: bool
+) -> None:
+    """The client goes once the prefill engine has the request; Envoy resets its stream to
+    the sidecar, which lets the prefill finish and still delivers the decode leg (aborted),
+    so the prefill engine's blocks held for a decode are freed — at the latest by vLLM's
+    lease, as through `kvgate serve` (tests/real/test_vllm_pd.py)."""
+    from tests.real.pd_harness import completions_served, kv_usage, requests_running, wait_for
+    from tests.real.test_vllm_pd import LONG_TEXT, STALL_S, _leave_once_started
+
+    ts, prefill, decode = epp_pd
+    wait_for(lambda: kv_usage(prefill) == 0.0, STALL_S, "prefill engine idle")
+    before = prompt_tokens_by_source(prefill)["local_compute"]
+    served = completions_served(decode)
+    body = {"model": "tiny", "prompt": salted(LONG_TEXT), "max_tokens": 200, "stream": stream}
+    _leave_once_started(
+        ts.url,
+        body,
+        lambda: (
+            requests_running(prefill) > 0
+            or prompt_tokens_by_source(prefill)["local_compute"] > before
+        ),
+    )
+    wait_for(
+        lambda: prompt_tokens_by_source(prefill)["local_compute"] > before,
+        STALL_S,
+        "prefill computed",
+    )
+    wait_for(lambda: completions_served(decode) > served, STALL_S, "the decode leg delivered")
+    wait_for(lambda: kv_usage(prefill) == 0.0, STALL_S, "blocks freed")
+    assert ts.wait_books_empty(30.0) == (0, 0)
