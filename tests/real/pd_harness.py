@@ -271,3 +271,35 @@ def openai_call(client: openai.OpenAI, endpoint: str, stream: bool, prompt: str)
             answer_tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
     assert chunks > 0, "the stream carried no choices"
     return answer_tokens, prompt_tokens
+
+
+def epp_pd_spec(prefill_url: str, decode_url: str, connector: str, workdir: Path) -> Any:
+    """An EppStackSpec (gateway/epp/stack.py) for one real prefill + decode pair behind Envoy:
+    the stack starts a `kvgate pd-sidecar` in front of the decode engine. Admission off, the
+    engines' block size 32, health probes 10 s apart (busy CPU engines answer late)."""
+    from dataclasses import replace
+
+    from config.settings import (
+        AdmissionMode,
+        InstanceSettings,
+        KVConnector,
+        PDProtocol,
+        Role,
+        Settings,
+    )
+    from gateway.epp.stack import EppStackSpec
+
+    style = KVConnector(connector)
+
+    def inst(iid: str, url: str, role: Role) -> InstanceSettings:
+        return InstanceSettings(iid, url, role, protocol=PDProtocol.VLLM, kv_connector=style)
+
+    base = Settings()
+    return EppStackSpec(
+        instances=(inst("p0", prefill_url, Role.PREFILL), inst("d0", decode_url, Role.DECODE)),
+        base=replace(base, admission=replace(base.admission, mode=AdmissionMode.NONE)),
+        block_size=32,
+        kv_events=False,
+        health_interval_s=10.0,
+        workdir=workdir,
+    )

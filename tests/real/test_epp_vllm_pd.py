@@ -6,24 +6,14 @@ none of the prompt (vllm:prompt_tokens_by_source_total), and the books close."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
-
 import openai
 import pytest
 
-from config.settings import (
-    AdmissionMode,
-    InstanceSettings,
-    KVConnector,
-    PDProtocol,
-    Role,
-    Settings,
-)
 from tests.gateway.epp.envoy_stack import envoy_stack, require_envoy
 from tests.real.conftest import EngineInstall
 from tests.real.engines import free_ports, stop_engine
 from tests.real.pd_harness import (
+    epp_pd_spec,
     openai_call,
     prompt_tokens_by_source,
     salted,
@@ -38,30 +28,12 @@ TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 10 
 
 @pytest.fixture(scope="module")
 def epp_pd(vllm_install: EngineInstall, tmp_path_factory: pytest.TempPathFactory):
-    from gateway.epp.stack import EppStackSpec
-
     require_envoy()
     p_port, d_port = free_ports(2, lo=18520, hi=18550)
     side = free_ports(2, lo=18550, hi=18600)
     prefill, decode = start_nixl_pair([p_port, d_port], side)
     try:
-
-        def inst(iid: str, url: str, role: Role) -> InstanceSettings:
-            return InstanceSettings(
-                iid, url, role, protocol=PDProtocol.VLLM, kv_connector=KVConnector.NIXL
-            )
-
-        base = Settings()
-        spec = EppStackSpec(
-            instances=(inst("p0", prefill.url, Role.PREFILL), inst("d0", decode.url, Role.DECODE)),
-            base=replace(base, admission=replace(base.admission, mode=AdmissionMode.NONE)),
-            block_size=32,
-            kv_events=False,
-            # CPU engines busy with a prefill answer /health late: probes far apart, so that
-            # three slow answers in a row do not eject the only decode instance
-            health_interval_s=10.0,
-            workdir=Path(tmp_path_factory.mktemp("epp-pd")),
-        )
+        spec = epp_pd_spec(prefill.url, decode.url, "nixl", tmp_path_factory.mktemp("epp-pd"))
         with envoy_stack(spec) as ts:
             warm_nixl_handshake(ts.url)
             yield ts, prefill, decode
