@@ -105,7 +105,7 @@ class PdSidecar:
         if not isinstance(body, dict):
             await _error(send, 400, "the request body must be a JSON object")
             return
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         prefiller = headers.get(PREFILLER_HEADER)
         if prefiller is not None and not _HOST_PORT.match(prefiller):
             await _error(send, 400, f"{PREFILLER_HEADER} must be host:port, got {prefiller!r}")
@@ -155,7 +155,11 @@ class PdSidecar:
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode()
         skip = {"host", "content-length", "transfer-encoding", "connection"}
-        headers = {k.decode(): v.decode() for k, v in scope["headers"] if k.decode() not in skip}
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() not in skip
+        }
         try:
             async with self.session.request(
                 scope["method"], url, data=raw, headers=headers, timeout=aiohttp.ClientTimeout(30)

@@ -167,3 +167,21 @@ def test_the_cli_refuses_bad_arguments_with_a_clear_error(capsys) -> None:
     assert "--decode must be an http(s) URL" in capsys.readouterr().err
     assert main(p.parse_args(["--decode", "http://127.0.0.1:1", "--timeout-s", "0"])) == 2
     assert "--timeout-s must be > 0" in capsys.readouterr().err
+
+
+def test_a_header_that_is_not_utf8_does_not_break_the_request() -> None:
+    async def test(url, prefiller, p, d):
+        host, port = url.removeprefix("http://").split(":")
+        payload = json.dumps(BODY).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        ).encode()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + b"X-Note: caf\xe9\r\nConnection: close\r\n\r\n" + payload)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200") and SSE in answer.replace(b"\r\n", b"\n")
+
+    _with_stubs(test)
