@@ -116,14 +116,25 @@ class RequestProgress:
         target = rebind_target(planned, pool, req.prompt_tokens, need, d.slo_tbt_s)
         if target is None:
             return None
-        work = planned.remove_decode(request_id, now)
-        if work is None:
+        if self._move_decode(rec, planned, target, now) is None:
             return None
-        work.est_arrival_s = now + target.predictors.link.time(req.prompt_tokens)
-        target.add_incoming(work)
-        rec.decision = replace(d, decode=target.id)
         self.stats.rebinds += 1
         return target.id
+
+    def _move_decode(
+        self, rec: RequestRecord, planned: InstanceState, target: InstanceState, now: float,
+        reason: str | None = None,
+    ) -> Decision | None:  # fmt: skip
+        """The decode's incoming work moves from ``planned`` to ``target`` (its KV arrives
+        there from now on); None when ``planned`` has none for the request."""
+        d = rec.decision
+        work = planned.remove_decode(d.request_id, now)
+        if work is None:
+            return None
+        work.est_arrival_s = now + target.predictors.link.time(rec.request.prompt_tokens)
+        target.add_incoming(work)
+        rec.decision = replace(d, decode=target.id, reason=reason or d.reason)
+        return rec.decision
 
     def rebook(self, request_id: str, instance_id: str, now: float) -> Decision | None:
         """The request runs on ``instance_id``, not where it was decided: a proxy in front (Envoy
@@ -171,16 +182,11 @@ class RequestProgress:
     def _rebook_decode(
         self, rec: RequestRecord, target: InstanceState, now: float
     ) -> Decision | None:
-        d = rec.decision
-        planned = self.instances.get(d.decode)
-        if target.id == d.decode or not target.does_decode or target.does_prefill:
+        planned = self.instances.get(rec.decision.decode)
+        a_decode = target.does_decode and not target.does_prefill
+        if planned is None or planned is target or not a_decode:
             return None
-        work = planned.remove_decode(d.request_id, now) if planned is not None else None
-        if work is None:
-            return None
-        target.add_incoming(work)
-        rec.decision = replace(d, decode=target.id, reason="fallback")
-        return rec.decision
+        return self._move_decode(rec, planned, target, now, "fallback")
 
     def prefill_done(self, request_id: str, now: float) -> None:
         rec = self.requests.get(request_id)

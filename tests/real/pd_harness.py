@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -185,6 +186,38 @@ def wait_for(ok: Any, timeout_s: float, what: str) -> float:
             last = exc
         time.sleep(0.25)
     raise AssertionError(f"{what}: not within {timeout_s:g} s (last probe error: {last!r})")
+
+
+def leave_once_started(url: str, body: dict[str, Any], started: Any, timeout_s: float) -> None:
+    """Sends a request and closes the connection (a client that left) as soon as
+    ``started()`` says the engines have it (not after a fixed delay: on a busy box the gateway
+    may not even have read the body by then, and a request whose client left before that is
+    rightly never sent anywhere). An answer that comes back first (a rejection, say) fails
+    with that answer, not a bare timeout."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head + payload)
+        sock.setblocking(False)
+
+        def answered() -> bytes:
+            try:
+                return sock.recv(4096)
+            except BlockingIOError:
+                return b""
+
+        def ready() -> bool:
+            if started():
+                return True
+            early = answered()  # an answer implies a prefill, unless the request was refused
+            assert not early or started(), f"answered, no prefill: {early[:300]!r}"
+            return bool(early)
+
+        wait_for(ready, timeout_s, "the prefill engine took the request")
 
 
 def metrics(engine: EngineProcess) -> str:

@@ -6,10 +6,6 @@ none of the prompt (vllm:prompt_tokens_by_source_total), and the books close."""
 
 from __future__ import annotations
 
-import json
-import socket
-from typing import Any
-
 import openai
 import pytest
 
@@ -20,6 +16,7 @@ from tests.real.pd_harness import (
     completions_served,
     epp_pd_spec,
     kv_usage,
+    leave_once_started,
     openai_call,
     prompt_tokens_by_source,
     requests_running,
@@ -69,36 +66,6 @@ def test_through_envoy_the_decode_engine_takes_every_prompt_token_from_the_trans
     assert ts.wait_books_empty(30.0) == (0, 0)
 
 
-def _leave_once_started(url: str, body: dict[str, Any], started: Any) -> None:
-    """Sends a request and closes the connection (a client that left) as soon as
-    ``started()`` says the prefill engine has it. An answer that comes back first (a
-    rejection, say) fails the test with that answer, not a bare timeout."""
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(head + payload)
-        sock.setblocking(False)
-
-        def answered() -> bytes:
-            try:
-                return sock.recv(4096)
-            except BlockingIOError:
-                return b""
-
-        def ready() -> bool:
-            if started():
-                return True
-            early = answered()  # an answer implies a prefill, unless the request was refused
-            assert not early or started(), f"answered, no prefill: {early[:300]!r}"
-            return bool(early)
-
-        wait_for(ready, STALL_S, "the prefill engine took the request")
-
-
 _STREAM_SEEN_ONCE = pytest.mark.xfail(
     reason="seen once in 2 fresh-clone CI runs (2026-11-29, passed in 5 other runs): right "
     "after the whole-answer case, the streamed request did not reach the prefill engine within "
@@ -131,13 +98,14 @@ def test_a_client_leaving_through_envoy_during_the_prefill_frees_the_prefill_blo
     before = prompt_tokens_by_source(prefill)["local_compute"]
     served = completions_served(decode)
     body = {"model": "tiny", "prompt": salted(LONG_TEXT), "max_tokens": 200, "stream": stream}
-    _leave_once_started(
+    leave_once_started(
         ts.url,
         body,
         lambda: (
             requests_running(prefill) > 0
             or prompt_tokens_by_source(prefill)["local_compute"] > before
         ),
+        STALL_S,
     )
     wait_for(
         lambda: prompt_tokens_by_source(prefill)["local_compute"] > before,

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import openai
@@ -24,6 +21,7 @@ from tests.real.pd_harness import (
     KvgateProcess,
     completions_served,
     kv_usage,
+    leave_once_started,
     openai_call,
     pd_gateway_config,
     post_json,
@@ -113,22 +111,6 @@ def test_prefill_blocks_stay_pinned_until_a_decode_reads_them(pd_stack: PDStack)
     wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, STALL_S, "blocks freed")
 
 
-def _leave_once_started(url: str, body: dict[str, Any], started: Any) -> None:
-    """Sends a request and closes the connection (a client that left) as soon as
-    ``started()`` says the engines have it. Not after a fixed delay: on a busy box the gateway
-    may not even have read the body by then, and a request whose client left before that is
-    rightly never sent anywhere."""
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(head + payload)
-        wait_for(started, STALL_S, "the prefill engine took the request")
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_client_leaving_during_the_prefill_frees_the_prefill_blocks(
     pd_stack: PDStack, stream: bool
@@ -149,13 +131,14 @@ def test_client_leaving_during_the_prefill_frees_the_prefill_blocks(
     served = completions_served(pd_stack.decode)
     body = {"model": "tiny", "prompt": salted(LONG_TEXT), "max_tokens": 200, "stream": stream}
     # The client leaves once the prefill engine has the request (running, or already done) ...
-    _leave_once_started(
+    leave_once_started(
         pd_stack.gateway,
         body,
         lambda: (
             requests_running(pd_stack.prefill) > 0
             or prompt_tokens_by_source(pd_stack.prefill)["local_compute"] > before
         ),
+        STALL_S,
     )
     # ... and the prefill ran.
     wait_for(
