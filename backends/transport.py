@@ -18,6 +18,12 @@ import aiohttp
 
 from backends import http1
 
+# How long an aiohttp pool may keep an idle connection for reuse: under the 5 s keep-alive of
+# uvicorn (vLLM, SGLang, kvgate) and llama-server. aiohttp keeps one 15 s and takes the oldest
+# first, so a POST could go out on a connection the server is closing just then: a reset that
+# aiohttp does not retry for a POST (the pd-sidecar's 502 in CI).
+IDLE_KEEPALIVE_S = 4.0
+
 
 class Leg(Protocol):
     """One engine answer, its headers in. Reads raise ``OSError`` when the stream breaks."""

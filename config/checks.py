@@ -223,6 +223,7 @@ def _check_server(c: Checker, s: ServerSettings) -> None:
     c.positive("server.silence_min_s", s.silence_min_s)
     c.ordered("server.silence_min_s", s.silence_min_s, "server.silence_max_s", s.silence_max_s)
     c.at_least("server.drain_timeout_s", s.drain_timeout_s, 0)
+    c.positive("server.keep_alive_s", s.keep_alive_s)
     if s.admin_token is not None:
         # A token read from a file often carries a trailing newline; it would never match.
         c.require(

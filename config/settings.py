@@ -85,6 +85,11 @@ def frozen_mapping(data: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     return MappingProxyType(dict(data or {}))
 
 
+# How long kvgate's HTTP servers (serve, epp, pd-sidecar) keep an idle client connection:
+# ``ServerSettings.keep_alive_s`` says why.
+KEEP_ALIVE_S = 75.0
+
+
 @dataclass(frozen=True, slots=True)
 class PriorityClass:
     """A priority class. Higher ``level`` is more important.
@@ -302,6 +307,11 @@ class ServerSettings:
     # SIGTERM: new requests get 503 + Retry-After; in-flight answers may finish for this long,
     # then the rest end with a clean error and the process exits 0.
     drain_timeout_s: float = 30.0
+    # An idle client connection stays open this long (uvicorn's own default is 5 s). Longer than
+    # the idle timeout of what sits in front (load balancers: often 60 s; httpx, the openai SDK:
+    # 5 s), so that the client side closes first: a request sent just as the server closes its
+    # connection is reset and lost, which no client retries safely.
+    keep_alive_s: float = KEEP_ALIVE_S
     scrape_interval_s: float = 1.0
     # Observed prefill timings refit the prefill predictor this often (0 = never).
     refit_interval_s: float = 60.0

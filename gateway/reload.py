@@ -34,6 +34,7 @@ RESTART_KEYS: tuple[tuple[str, str | None], ...] = (
     ("server", "port"),
     ("server", "tracing"),
     ("server", "otlp_endpoint"),
+    ("server", "keep_alive_s"),
     ("server", "recent_decisions"),
     ("routing", "block_size"),
     ("routing", "model_dir"),

@@ -30,6 +30,7 @@ from backends.predictor_files import predictor_factory
 from backends.profile_file import load_measured_profiles
 from backends.prometheus import EngineLoad
 from backends.scraper import MetricsScraper
+from backends.transport import IDLE_KEEPALIVE_S
 from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from config.tenant_keys import tenant_keys
 from gateway.capacity_loop import CapacitySignal
@@ -288,7 +289,12 @@ class Gateway:
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            ttl_dns_cache=300,
+            enable_cleanup_closed=True,
+            keepalive_timeout=IDLE_KEEPALIVE_S,
+        )
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         await self.replicator.start(self.session)
         srv = self.settings.server

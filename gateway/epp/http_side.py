@@ -38,4 +38,5 @@ def http_app(gw: Gateway, tenants: TenantGate) -> Starlette:
 
 async def start_http(gw: Gateway, tenants: TenantGate, host: str, port: int) -> RunningServer:
     """Serve the port (0: an ephemeral one) until ``stop``."""
-    return await start_server(http_app(gw, tenants), host, port)
+    keep_alive_s = gw.settings.server.keep_alive_s
+    return await start_server(http_app(gw, tenants), host, port, keep_alive_s=keep_alive_s)

@@ -32,7 +32,9 @@ from typing import Any
 import aiohttp
 
 from backends.drivers import ColocatedDriver
+from backends.http1 import Http1Client
 from backends.legs import ForwardPlan, Target, UpstreamError, UpstreamResponse
+from backends.transport import IDLE_KEEPALIVE_S
 from backends.vllm_pd import VLLMDriver
 from config.settings import KVConnector
 from gateway.openai import CHAT, COMPLETIONS, error_body
@@ -65,9 +67,13 @@ class PdSidecar:
         self.connector = connector
         self.timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
-        self.pd = VLLMDriver()
-        self.direct = ColocatedDriver()
-        self.session: aiohttp.ClientSession | None = None
+        # The legs go through the gateway's own client: it retries a pooled keep-alive
+        # connection the engine closed while idle (uvicorn's 5 s keep-alive racing the next
+        # POST, which aiohttp does not retry: a 502 "connection reset" seen in CI).
+        self.client = Http1Client()
+        self.pd = VLLMDriver(self.client)
+        self.direct = ColocatedDriver(self.client)
+        self.session: aiohttp.ClientSession | None = None  # everything else (health, models)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -83,12 +89,14 @@ class PdSidecar:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.session = aiohttp.ClientSession(
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+                    connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_KEEPALIVE_S),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                 )
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.session is not None:
                     await self.session.close()
+                self.client.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
+from backends.transport import IDLE_KEEPALIVE_S
 from replay.report.progress import ProgressBar
 from replay.report.results import Outcome, RequestOutcome, RunResult
 from replay.workload.traces import BLOCK_SIZE, TraceError, TraceRequest, load_trace, select
@@ -155,7 +156,7 @@ async def run_load(
         RequestOutcome(f"replay-{tr.index}", tr.arrival_s, tr.input_length, tr.output_length)
         for tr in trace
     ]
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_KEEPALIVE_S)
     start = time.perf_counter()
     done = 0
     async with aiohttp.ClientSession(connector=connector) as session:

@@ -66,18 +66,7 @@ def test_through_envoy_the_decode_engine_takes_every_prompt_token_from_the_trans
     assert ts.wait_books_empty(30.0) == (0, 0)
 
 
-_STREAM_SEEN_ONCE = pytest.mark.xfail(
-    reason="seen once in 2 fresh-clone CI runs (2026-11-29, passed in 5 other runs): right "
-    "after the whole-answer case, the streamed request did not reach the prefill engine within "
-    "60 s and nothing was logged; cause not found. The test now reports an answer that comes "
-    "back first (docs/epp.md, 'P/D behind Envoy')",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize(
-    "stream", [False, pytest.param(True, marks=_STREAM_SEEN_ONCE)], ids=["whole", "stream"]
-)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_client_leaving_through_envoy_during_the_prefill_frees_the_prefill_blocks(
     epp_pd, stream: bool
 ) -> None:

@@ -14,6 +14,7 @@ from config.settings import KVConnector
 from gateway.epp.pd_sidecar import FALLBACK_HEADER, PREFILLER_HEADER, PdSidecar
 from gateway.epp.sidecar_cli import start_sidecar
 from tests.backends.test_drivers import KV_PARAMS, SSE, StubEngine
+from tests.backends.test_http1 import RawServer
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 8, "stream": True}
 
@@ -76,6 +77,27 @@ def test_without_a_prefiller_the_decode_engine_does_it_all() -> None:
         assert p.seen == [] and d.seen[0][2] == BODY
 
     _with_stubs(test)
+
+
+def test_a_keep_alive_connection_the_engine_closed_while_idle_is_retried() -> None:
+    # uvicorn (vLLM) closes a keep-alive connection after 5 s idle; a request sent on it just
+    # then is reset (CI: "decode: connect failed: ClientOSError(104)"). The engine here reads
+    # a connection's second request and closes it unanswered: the sidecar sends it again on a
+    # new connection, and the client never sees the race.
+    async def run():
+        engine = RawServer()
+        engine.drop_second_request = True
+        port = await engine.start()
+        sidecar = await start_sidecar(PdSidecar(f"http://127.0.0.1:{port}"))
+        try:
+            return [await _post(sidecar.url, {**BODY, "stream": False}) for _ in range(2)], engine
+        finally:
+            await sidecar.stop()
+            await engine.stop()
+
+    answers, engine = asyncio.run(run())
+    assert [(status, body) for status, _, body in answers] == [(200, b'{"ok":1}')] * 2
+    assert len(engine.requests) == 3 and engine.connections == 2
 
 
 def test_a_failed_prefill_falls_back_to_the_decode_engine_and_says_so() -> None:
