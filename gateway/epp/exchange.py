@@ -114,10 +114,9 @@ class Exchange:
         if isinstance(outcome, Immediate):
             return [pr.immediate(outcome.status, outcome.body, outcome.headers)]
         endpoints, extra = _route(outcome)
+        raw, extra, rewritten = self._engine_body(outcome, extra)
         if self.request_mode != pr.FULL_DUPLEX:
-            return [pr.routed_body_response(endpoints, extra)]
-        raw = b"".join(self.body)
-        self.body = []
+            return [pr.routed_body_response(endpoints, extra, raw if rewritten else None)]
         return [
             pr.routed_headers_response(endpoints, extra),
             *pr.streamed_chunks(raw, True, request=True),
@@ -133,7 +132,7 @@ class Exchange:
             if isinstance(outcome, Immediate):
                 return [pr.immediate(outcome.status, outcome.body, outcome.headers)]
             endpoints, extra = _route(outcome)
-            raw, self.body = b"".join(self.body), []
+            raw, extra, _ = self._engine_body(outcome, extra)
             return [
                 pr.routed_headers_response(endpoints, extra),
                 *pr.streamed_chunks(raw, False, request=True),
@@ -141,6 +140,18 @@ class Exchange:
             ]
 
         return await self._pick(answer)
+
+    def _engine_body(
+        self, outcome: Settled, extra: pr.HeaderPairs
+    ) -> tuple[bytes, pr.HeaderPairs, bool]:
+        """The request body for the engine (the pick's rewrite, e.g. llama.cpp's id_slot, else
+        the client's), the route's headers (with the new length when rewritten) and whether it
+        was; the held body is let go."""
+        raw, self.body = b"".join(self.body), []
+        rewritten = outcome.request_body if isinstance(outcome, Flight) else None
+        if rewritten is None:
+            return raw, extra, False
+        return rewritten, [*extra, (b"content-length", str(len(rewritten)).encode())], True
 
     async def _pick(self, answer: Answer) -> list[ext.ProcessingResponse]:
         """Pick, and ``answer`` the outcome; a pick that waits answers later (``resume``),

@@ -24,8 +24,10 @@ and the fair-share screen of a decision before it is booked, also for a waiting 
 
 P/D pools: the request goes to its decode instance's sidecar (``sidecar_url``) with the
 prefill engine in ``x-prefiller-host-port`` (llm-d's protocol; gateway/epp/pd_sidecar.py runs
-the legs). Not supported here (docs/epp.md): llama.cpp slot pinning (it rewrites the body),
-retries on another engine after the answer started.
+the legs). A llama.cpp instance's request is pinned to the slot holding its prefix as under
+`kvgate serve` (backends/llamacpp_slots.py): the flight carries the body rewritten with
+``id_slot``, which the exchange hands Envoy instead of the client's. Not supported here
+(docs/epp.md): retries on another engine after the answer started.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from backends import json_codec
 from backends.legs import Failure
 from gateway.answers import (
     decision_headers,
@@ -86,6 +89,8 @@ class Flight:
     tokens: int = 0
     reported: int = 0
     body: list[bytes] = field(default_factory=list)  # the answer (non-streamed) or its tail
+    # The request body for the engine when the pick rewrote it (llama.cpp's id_slot), else None
+    request_body: bytes | None = None
     kept: int = 0
     closed: bool = False
 
@@ -247,7 +252,13 @@ class Picker:
         answer = decision_headers(decision, rid)
         # x-request-id (the id kvgate keys its books with) and the trace context
         upstream = [*answer[:1], *self.spans.placed(rid, decision.prefill), *prefiller]
-        return Flight(parsed, decision, record, endpoints, answer, upstream)
+        flight = Flight(parsed, decision, record, endpoints, answer, upstream)
+        slot = (
+            gw.pin_slot(rid, decision.prefill, parsed.info.block_hashes) if not prefiller else None
+        )
+        if slot is not None:  # llama.cpp: wait for the slot that holds the prefix
+            flight.request_body = json_codec.dumps({**parsed.body, "id_slot": slot})
+        return flight
 
     def _count(self, parsed: ParsedRequest, outcome: str) -> None:
         self.gw.metrics.requests.labels(outcome).inc()
@@ -344,6 +355,7 @@ class Picker:
     def _close(self, f: Flight) -> None:
         f.closed = True
         f.body = []
+        self.gw.unpin_slot(f.request_id)
         self.gw.drain.leave(f.request_id)
         self.tenants.leave(f.request_id)
         self.spans.end(f.request_id, f.record.outcome or "failed")

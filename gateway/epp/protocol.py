@@ -121,13 +121,15 @@ def routed_headers_response(
 
 
 def routed_body_response(
-    endpoints: Sequence[str], extra: HeaderPairs = ()
+    endpoints: Sequence[str], extra: HeaderPairs = (), body: bytes | None = None
 ) -> ext.ProcessingResponse:
-    """Buffered mode: the body answer carries the pick (headers still go upstream after it)."""
+    """Buffered mode: the body answer carries the pick (headers still go upstream after it),
+    and ``body`` in place of the client's when given."""
     return ext.ProcessingResponse(
         request_body=ext.BodyResponse(
             response=ext.CommonResponse(
                 header_mutation=pick_mutation(endpoints, extra),
+                body_mutation=ext.BodyMutation(body=body) if body is not None else None,
                 clear_route_cache=True,
             )
         ),

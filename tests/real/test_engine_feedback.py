@@ -264,6 +264,26 @@ def test_engine_reports_keep_kvgate_hit_ratio_close_to_the_engines(llama: Engine
     assert learned > 0
 
 
+PREFIX = 800  # tokens of each prefix in the slot collision scenario
+
+
+async def two_prefixes_then_a_collision(s: aiohttp.ClientSession, url: str, seed: int) -> int:
+    """Prefix A into one slot, B into the other, two A requests together, then B again: the
+    tokens the engine found cached for that last B (of its ``PREFIX`` tokens)."""
+    a, b = _ids(seed + 1, PREFIX), _ids(seed + 2, PREFIX)
+    for prompt in (a, b):
+        status, _ = await _complete(s, url, prompt + _ids(seed + 3, 20))
+        assert status == 200
+    answers = await asyncio.gather(
+        _complete(s, url, a + _ids(seed + 4, 20), max_tokens=200),
+        _complete(s, url, a + _ids(seed + 5, 20)),
+    )
+    assert [st for st, _ in answers] == [200, 200]
+    status, again = await _complete(s, url, b + _ids(seed + 6, 20))
+    assert status == 200
+    return again["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 @pytest.mark.parametrize("affinity", [True, False], ids=["slot_affinity", "engine_picks"])
 def test_a_repeat_waits_for_its_busy_slot_instead_of_evicting_the_other(
     llama: EngineProcess, affinity: bool
@@ -271,9 +291,8 @@ def test_a_repeat_waits_for_its_busy_slot_instead_of_evicting_the_other(
     # Slot x holds prefix A, slot y prefix B. Two A requests arrive together: llama-server alone
     # gives the second the idle slot y (overwriting B); pinned to x, it waits and B survives.
     seed = 400 if affinity else 500
-    a, b = _ids(seed + 1, 800), _ids(seed + 2, 800)
 
-    async def run() -> tuple[int, int]:
+    async def run() -> int:
         async with _gateway(llama, affinity) as (app, url), aiohttp.ClientSession() as s:
             book = app.gateway.slot_book
             for _ in range(100):
@@ -281,21 +300,12 @@ def test_a_repeat_waits_for_its_busy_slot_instead_of_evicting_the_other(
                     break
                 await asyncio.sleep(0.05)
             assert ("l0" in book.instances) == affinity
-            for prompt in (a, b):
-                status, _ = await _complete(s, url, prompt + _ids(seed + 3, 20))
-                assert status == 200
-            answers = await asyncio.gather(
-                _complete(s, url, a + _ids(seed + 4, 20), max_tokens=200),
-                _complete(s, url, a + _ids(seed + 5, 20)),
-            )
-            assert [st for st, _ in answers] == [200, 200]
-            status, again = await _complete(s, url, b + _ids(seed + 6, 20))
-            assert status == 200
+            cached = await two_prefixes_then_a_collision(s, url, seed)
             assert book.held == 0  # every pin released
-            return again["usage"]["prompt_tokens_details"]["cached_tokens"], len(b)
+            return cached
 
-    cached, prefix = asyncio.run(run())
+    cached = asyncio.run(run())
     if affinity:
-        assert cached >= prefix - 16, cached  # B stayed in its slot
+        assert cached >= PREFIX - 16, cached  # B stayed in its slot
     else:
-        assert cached < prefix // 2, cached  # the engine gave B's slot to the second A
+        assert cached < PREFIX // 2, cached  # the engine gave B's slot to the second A
