@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.kvgate_serve import wait_healthy
-
-_MAIN = "import sys; from gateway.cli import main; sys.exit(main())"
+from bench.kvgate_serve import KVGATE_MAIN, wait_healthy
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +105,7 @@ class EmulatedFleet:
         log = (self.spec.workdir / f"{name}.log").open("wb")
         self._logs.append(log)
         return subprocess.Popen(
-            [sys.executable, "-c", _MAIN, *args], stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-c", KVGATE_MAIN, *args], stdout=log, stderr=subprocess.STDOUT
         )
 
     def _engine_ids(self) -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-_MAIN = "import sys; from gateway.cli import main; sys.exit(main())"
+KVGATE_MAIN = "import sys; from gateway.cli import main; sys.exit(main())"
 
 
 def free_port() -> int:
@@ -23,11 +23,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen[bytes], timeout_s: float, what: str = "kvgate serve"
+) -> None:
+    """Until ``url`` answers 200; ``what`` names ``proc`` if it exits meanwhile."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kvgate serve exited with {proc.returncode}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:
@@ -44,7 +47,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
 def kvgate_serve(config: Path, port: int, log: Path, timeout_s: float = 30.0) -> Iterator[str]:
     """Run ``kvgate serve --config config`` (which listens on ``port``); yields its base URL."""
     with log.open("wb") as out:
-        argv = [sys.executable, "-c", _MAIN, "serve", "--config", str(config)]
+        argv = [sys.executable, "-c", KVGATE_MAIN, "serve", "--config", str(config)]
         proc = subprocess.Popen(
             [*argv, "--log-level", "warning"],
             stdout=out,
@@ -55,9 +58,16 @@ def kvgate_serve(config: Path, port: int, log: Path, timeout_s: float = 30.0) ->
             wait_healthy(f"{url}/health", proc, timeout_s)
             yield url
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s: a process this benchmark started, by its PID."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

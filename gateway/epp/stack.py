@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from config.settings import (
+    EngineKind,
     InstanceSettings,
     KVConnector,
     PDProtocol,
@@ -158,6 +159,10 @@ class EppStack:
             fail_open=self.spec.fail_open,
             retries=max(1, self.spec.fallbacks),
             timeouts=self.spec.timeouts,
+            # llama-server closes a connection after each streamed answer (gateway/epp/envoy.py)
+            requests_per_connection=1
+            if any(i.engine is EngineKind.LLAMACPP for i in self.settings.instances())
+            else None,
         )
         self.envoy = start_envoy(config, self.spec.workdir)
         await self._wait_envoy(30.0)
