@@ -70,6 +70,12 @@ def _epp(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _envoy_config(args: argparse.Namespace) -> int:
+    from gateway.epp.envoy_cli import main
+
+    return main(args)
+
+
 def _pd_sidecar(args: argparse.Namespace) -> int:
     from gateway.epp.sidecar_cli import main
 
@@ -129,6 +135,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "Extension)",
             "gateway.epp.cli",
             _epp,
+        ),
+        (
+            "envoy-config",
+            "write the Envoy config for a kvgate config's fleet, steered by `kvgate epp`",
+            "gateway.epp.envoy_cli",
+            _envoy_config,
         ),
         (
             "pd-sidecar",

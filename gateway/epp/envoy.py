@@ -41,7 +41,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from config.settings import EngineKind, Role, Settings
 from gateway.epp.protocol import (
     DESTINATION_HEADER,
     EXT_PROC_SERVICE,
@@ -68,6 +70,19 @@ def find_envoy() -> str | None:
     if os.access(near, os.X_OK):
         return str(near)
     return shutil.which("envoy")
+
+
+def fleet_endpoints(settings: Settings) -> tuple[list[tuple[str, int]], int | None]:
+    """Envoy's engine endpoints for a kvgate fleet (a decode instance's sidecar, a colocated
+    engine; prefill engines are reached through the sidecars only) and the requests per
+    connection they take (1 when llama.cpp engines are among them, else None: unbounded)."""
+    engines = []
+    for inst in settings.instances():
+        if inst.role is not Role.PREFILL:
+            u = urlsplit(inst.sidecar_url or inst.url)
+            engines.append((u.hostname or "127.0.0.1", u.port or 80))
+    llama = any(i.engine is EngineKind.LLAMACPP for i in settings.instances())
+    return engines, 1 if llama else None
 
 
 def _socket(host: str, port: int) -> dict[str, Any]:

@@ -14,10 +14,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from config.settings import (
-    EngineKind,
     InstanceSettings,
     KVConnector,
     PDProtocol,
@@ -25,7 +23,7 @@ from config.settings import (
     Role,
     Settings,
 )
-from gateway.epp.envoy import envoy_config, start_envoy
+from gateway.epp.envoy import envoy_config, fleet_endpoints, start_envoy
 from gateway.epp.pd_sidecar import PdSidecar
 from gateway.epp.protocol import MessageTimeouts
 from gateway.epp.server import EppServer, start_epp
@@ -145,12 +143,7 @@ class EppStack:
 
     async def start_envoy(self) -> None:
         assert self.settings is not None
-        engines = []
-        for inst in self.settings.instances():
-            if inst.role is Role.PREFILL:
-                continue  # reached through the decode instances' sidecars only
-            u = urlsplit(inst.sidecar_url or inst.url)
-            engines.append((u.hostname or "127.0.0.1", u.port or 80))
+        engines, per_connection = fleet_endpoints(self.settings)
         self.envoy_port = free_port()
         config = envoy_config(
             listen=("127.0.0.1", self.envoy_port),
@@ -159,10 +152,7 @@ class EppStack:
             fail_open=self.spec.fail_open,
             retries=max(1, self.spec.fallbacks),
             timeouts=self.spec.timeouts,
-            # llama-server closes a connection after each streamed answer (gateway/epp/envoy.py)
-            requests_per_connection=1
-            if any(i.engine is EngineKind.LLAMACPP for i in self.settings.instances())
-            else None,
+            requests_per_connection=per_connection,
         )
         self.envoy = start_envoy(config, self.spec.workdir)
         await self._wait_envoy(30.0)

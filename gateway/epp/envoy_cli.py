@@ -1,0 +1,97 @@
+"""`kvgate envoy-config`: the Envoy config for the fleet in a kvgate config, steered by
+`kvgate epp` (gateway/epp/envoy.py writes it; the real-Envoy tests run the same function).
+
+The engines cluster lists the fleet's endpoints (decode instances' sidecars, colocated
+engines), one request per connection when llama.cpp engines are among them. In Kubernetes the
+InferencePool's endpoints replace the static list (docs/epp.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_HOST_PORT_HELP = "HOST:PORT"
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="kvgate TOML config (the fleet)")
+    p.add_argument(
+        "--epp",
+        type=_host_port,
+        default=("127.0.0.1", 9002),
+        metavar=_HOST_PORT_HELP,
+        help="where `kvgate epp` serves ext_proc (default 127.0.0.1:9002)",
+    )
+    p.add_argument(
+        "--listen",
+        type=_host_port,
+        default=("0.0.0.0", 8081),
+        metavar=_HOST_PORT_HELP,
+        help="Envoy's listener for clients (default 0.0.0.0:8081)",
+    )
+    p.add_argument(
+        "--fail-open",
+        action="store_true",
+        help="requests go round robin when the picker is away (buffered request bodies); "
+        "default fail-closed, GIE's duplex mode",
+    )
+    p.add_argument(
+        "--fallbacks",
+        type=int,
+        default=1,
+        help="Envoy's retries over the picker's fallback endpoints (as `kvgate epp "
+        "--fallbacks`; default 1)",
+    )
+    p.add_argument("--admin-port", type=int, help="Envoy's admin interface on 127.0.0.1:PORT")
+    p.add_argument("--out", type=Path, help="write here (default: standard output)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from config.loader import ConfigError, load_settings
+    from gateway.epp.cli import check_supported
+    from gateway.epp.envoy import envoy_config, fleet_endpoints
+
+    if args.fallbacks < 0:
+        print("kvgate envoy-config: --fallbacks must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        settings = load_settings(args.config)
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"kvgate envoy-config: {exc}", file=sys.stderr)
+        return 2
+    why = check_supported(settings)
+    if why is not None:
+        print(f"kvgate envoy-config: {args.config}: {why}", file=sys.stderr)
+        return 2
+    engines, per_connection = fleet_endpoints(settings)
+    config = envoy_config(
+        listen=args.listen,
+        epp=args.epp,
+        engines=engines,
+        fail_open=args.fail_open,
+        admin_port=args.admin_port,
+        retries=max(1, args.fallbacks),
+        requests_per_connection=per_connection,
+    )
+    if args.admin_port is not None:  # the admin interface is for this host only
+        config["admin"]["address"]["socket_address"]["address"] = "127.0.0.1"
+    text = json.dumps(config, indent=2) + "\n"  # Envoy reads JSON as it reads YAML
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        args.out.write_text(text)
+    except OSError as exc:
+        print(f"kvgate envoy-config: {args.out}: {exc}", file=sys.stderr)
+        return 2
+    print(f"kvgate envoy-config: {len(engines)} engine endpoints -> {args.out}", file=sys.stderr)
+    return 0
