@@ -51,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Envoy's retries over the picker's fallback endpoints (as `kvgate epp "
         "--fallbacks`; default 1)",
     )
+    p.add_argument(
+        "--engine-idle-s",
+        type=float,
+        default=4.0,
+        help="close an idle engine connection after this long: below the engines' own "
+        "keep-alive (uvicorn's and llama-server's 5 s; default 4)",
+    )
     p.add_argument("--admin-port", type=int, help="Envoy's admin interface on 127.0.0.1:PORT")
     p.add_argument("--out", type=Path, help="write here (default: standard output)")
 
@@ -60,8 +67,11 @@ def main(args: argparse.Namespace) -> int:
     from gateway.epp.cli import check_supported
     from gateway.epp.envoy import envoy_config, fleet_endpoints
 
-    if args.fallbacks < 0:
-        print("kvgate envoy-config: --fallbacks must be >= 0", file=sys.stderr)
+    if args.fallbacks < 0 or not args.engine_idle_s > 0:
+        print(
+            "kvgate envoy-config: --fallbacks must be >= 0 and --engine-idle-s > 0",
+            file=sys.stderr,
+        )
         return 2
     try:
         settings = load_settings(args.config)
@@ -80,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
         fail_open=args.fail_open,
         admin_port=args.admin_port,
         retries=max(1, args.fallbacks),
+        upstream_idle_s=args.engine_idle_s,
         requests_per_connection=per_connection,
     )
     if args.admin_port is not None:  # the admin interface is for this host only

@@ -55,9 +55,11 @@ def test_a_pd_fleet_lists_the_decode_sidecars_and_llamacpp_one_request_per_conne
         '[[pools.instances]]\nid = "l0"\nurl = "http://127.0.0.1:8401"\nengine = "llamacpp"\n'
         '[[pools.instances]]\nid = "v0"\nurl = "http://127.0.0.1:8402"\n'
     )
-    llama = _write(tmp_path, "--config", str(config), "--listen", "127.0.0.1:8081", "--fail-open")
+    llama = _write(
+        tmp_path, "--config", str(config), "--listen", "127.0.0.1:8081", "--engine-idle-s", "2.5"
+    )
     assert _engines(llama) == [("127.0.0.1", 8401), ("127.0.0.1", 8402)]
-    assert _options(llama)["max_requests_per_connection"] == 1
+    assert _options(llama) == {"idle_timeout": "2.5s", "max_requests_per_connection": 1}
 
 
 def test_bad_input_exits_2_with_a_message(tmp_path: Path, capsys) -> None:
@@ -72,6 +74,8 @@ def test_bad_input_exits_2_with_a_message(tmp_path: Path, capsys) -> None:
     )
     assert main(["envoy-config", "--config", str(bad)]) == 2
     assert "sidecar_url" in capsys.readouterr().err
+    assert main(["envoy-config", "--config", str(bad), "--engine-idle-s", "0"]) == 2
+    assert "--engine-idle-s > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["envoy-config", "--config", str(bad), "--listen", "8081"])
     assert exit_.value.code == 2
