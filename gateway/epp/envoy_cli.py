@@ -64,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from config.loader import ConfigError, load_settings
+    from config.settings import EngineKind, Role
     from gateway.epp.cli import check_supported
     from gateway.epp.envoy import envoy_config, fleet_endpoints
 
@@ -83,6 +84,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgate envoy-config: {args.config}: {why}", file=sys.stderr)
         return 2
     engines, per_connection = fleet_endpoints(settings)
+    guessed = [
+        i.id
+        for i in settings.instances()
+        if i.engine is EngineKind.AUTO and i.role is not Role.PREFILL  # Envoy's endpoints
+    ]
+    if guessed and per_connection is None:
+        # The kind is learnt from /metrics at run time, too late for a static Envoy config.
+        print(
+            f'kvgate envoy-config: note: engine = "auto" for {", ".join(guessed)}; declare '
+            'engine = "llamacpp" for llama-servers: Envoy must then take one request per '
+            "connection (docs/epp.md)",
+            file=sys.stderr,
+        )
     config = envoy_config(
         listen=args.listen,
         epp=args.epp,

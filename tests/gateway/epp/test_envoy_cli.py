@@ -41,11 +41,12 @@ def test_the_example_is_what_it_writes_for_the_colocated_example(tmp_path: Path)
 
 
 def test_a_pd_fleet_lists_the_decode_sidecars_and_llamacpp_one_request_per_connection(
-    tmp_path: Path,
+    tmp_path: Path, capsys
 ) -> None:
     pd = _write(tmp_path, "--config", str(EXAMPLES / "pd-vllm-epp.toml"), "--epp", "10.0.0.5:9002")
     assert _engines(pd) == [("127.0.0.1", 8202)]  # the sidecar; the prefill engine is not listed
     assert "max_requests_per_connection" not in _options(pd)
+    assert 'declare engine = "llamacpp"' in capsys.readouterr().err  # its kinds are "auto"
     [epp] = [c for c in pd["static_resources"]["clusters"] if c["name"] == "kvgate_epp"]
     epp_socket = epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert epp_socket["address"]["socket_address"] == {"address": "10.0.0.5", "port_value": 9002}
@@ -60,6 +61,7 @@ def test_a_pd_fleet_lists_the_decode_sidecars_and_llamacpp_one_request_per_conne
     )
     assert _engines(llama) == [("127.0.0.1", 8401), ("127.0.0.1", 8402)]
     assert _options(llama) == {"idle_timeout": "2.5s", "max_requests_per_connection": 1}
+    assert "declare" not in capsys.readouterr().err
 
 
 def test_bad_input_exits_2_with_a_message(tmp_path: Path, capsys) -> None:
