@@ -180,7 +180,6 @@ def server_config(
 
 
 def main(args: argparse.Namespace) -> int:
-
     from config.errors import KvgateError
     from config.loader import load_settings
     from gateway.app import build_app

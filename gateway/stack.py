@@ -10,10 +10,9 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field, replace
 
-import uvicorn
-
 from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from gateway.app import build_app
+from gateway.serve import RunningServer, start_server
 from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
 
 
@@ -37,8 +36,7 @@ class LiveStack:
         self.spec = spec
         self.emulators: dict[str, RunningEmulator] = {}
         self.settings: Settings | None = None
-        self.server: uvicorn.Server | None = None
-        self._serve_task: asyncio.Task[None] | None = None
+        self.server: RunningServer | None = None
         self.url = ""
         self.app = None
 
@@ -100,24 +98,11 @@ class LiveStack:
             ),
         )
         self.app = build_app(self.settings)
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=0,
-            lifespan="on",
-            log_level="warning",
-            access_log=False,
-            loop="asyncio",
-            timeout_keep_alive=self.settings.server.keep_alive_s,  # type: ignore[arg-type]
+        keep_alive_s = self.settings.server.keep_alive_s
+        self.server = await start_server(
+            self.app, "127.0.0.1", 0, lifespan="on", signals=True, keep_alive_s=keep_alive_s
         )
-        self.server = uvicorn.Server(config)
-        self._serve_task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self._serve_task.done():
-                self._serve_task.result()  # raises the startup error
-            await asyncio.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = self.server.url
 
     @property
     def gateway(self):  # the running Gateway (books, metrics, learner)
@@ -125,10 +110,8 @@ class LiveStack:
 
     async def stop(self) -> None:
         if self.server is not None:
-            self.server.should_exit = True
-        if self._serve_task is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._serve_task, 10)
+                await asyncio.wait_for(self.server.stop(), 10)
         for emu in self.emulators.values():
             with contextlib.suppress(Exception):
                 await emu.stop()

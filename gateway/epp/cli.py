@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 
-from config.settings import PDProtocol, Role
+from config.settings import PDProtocol, Role, Settings
 
 log = logging.getLogger("kvgate.epp")
 
@@ -75,6 +75,24 @@ def check_supported(settings) -> str | None:
     return None
 
 
+def load_for_envoy(path: str, prog: str) -> Settings | None:
+    """The config at ``path`` if it loads and can run behind Envoy (``check_supported``);
+    else None, once ``prog`` has said why on stderr."""
+    from config.loader import ConfigError, load_settings
+    from routing.policies.registry import PolicyError
+
+    try:
+        settings = load_settings(path)
+    except (ConfigError, PolicyError, OSError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    why = check_supported(settings)
+    if why is not None:
+        print(f"{prog}: {path}: {why}", file=sys.stderr)
+        return None
+    return settings
+
+
 async def _run(args: argparse.Namespace, settings) -> int:
     from gateway.epp.server import run_until_signal, start_epp
     from gateway.runtime import Gateway
@@ -103,7 +121,6 @@ async def _run(args: argparse.Namespace, settings) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from config.loader import ConfigError, load_settings
     from routing.policies.registry import PolicyError
 
     try:
@@ -124,14 +141,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate epp: --message-timeout-s / --max-message-timeout-s: {exc}", file=sys.stderr)
         return 2
-    try:
-        settings = load_settings(args.config)
-    except (ConfigError, PolicyError, OSError, ValueError) as exc:
-        print(f"kvgate epp: {exc}", file=sys.stderr)
-        return 2
-    why = check_supported(settings)
-    if why is not None:
-        print(f"kvgate epp: {args.config}: {why}", file=sys.stderr)
+    settings = load_for_envoy(args.config, "kvgate epp")
+    if settings is None:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     from gateway.gc_tuning import tune_gc

@@ -12,25 +12,8 @@ address goes to the sidecar in a header. An instance without a sidecar is its ow
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-from urllib.parse import urlsplit
-
+from gateway.epp.envoy import endpoint_of
 from gateway.runtime import Gateway
-
-
-def endpoint_of(url: str) -> str:
-    """``ip:port`` of an engine URL, as Envoy's ORIGINAL_DST / override_host want it (an IP,
-    not a name: a host name is resolved here once). IPv6 in brackets."""
-    parts = urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        ip = ipaddress.ip_address(info[0][4][0])
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 class EngineAddresses:

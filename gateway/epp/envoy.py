@@ -33,9 +33,11 @@ the choices docs/epp.md explains; config/examples/envoy-epp.yaml is this, writte
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -72,15 +74,37 @@ def find_envoy() -> str | None:
     return shutil.which("envoy")
 
 
+def engine_address(url: str) -> tuple[str, int]:
+    """(IP, port) of an engine URL: Envoy's STATIC cluster and its override_host (and
+    ORIGINAL_DST) take addresses, not names, so a host name is resolved here, once
+    (``OSError`` if it does not resolve)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        ip = ipaddress.ip_address(info[0][4][0])
+    return str(ip), port
+
+
+def endpoint_of(url: str) -> str:
+    """``ip:port`` of an engine URL, as the picker names it to Envoy (IPv6 in brackets)."""
+    ip, port = engine_address(url)
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 def fleet_endpoints(settings: Settings) -> tuple[list[tuple[str, int]], int | None]:
-    """Envoy's engine endpoints for a kvgate fleet (a decode instance's sidecar, a colocated
-    engine; prefill engines are reached through the sidecars only) and the requests per
-    connection they take (1 when llama.cpp engines are among them, else None: unbounded)."""
-    engines = []
-    for inst in settings.instances():
-        if inst.role is not Role.PREFILL:
-            u = urlsplit(inst.sidecar_url or inst.url)
-            engines.append((u.hostname or "127.0.0.1", u.port or 80))
+    """Envoy's engine endpoints for a kvgate fleet, by the same addresses the picker names
+    (a decode instance's sidecar, a colocated engine; prefill engines are reached through the
+    sidecars only), and the requests per connection they take (1 when llama.cpp engines are
+    among them, else None: unbounded)."""
+    engines = [
+        engine_address(inst.sidecar_url or inst.url)
+        for inst in settings.instances()
+        if inst.role is not Role.PREFILL
+    ]
     llama = any(i.engine is EngineKind.LLAMACPP for i in settings.instances())
     return engines, 1 if llama else None
 

@@ -63,27 +63,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from config.loader import ConfigError, load_settings
     from config.settings import EngineKind, Role
-    from gateway.epp.cli import check_supported
-    from gateway.epp.envoy import envoy_config, fleet_endpoints
+    from gateway.epp.cli import load_for_envoy
 
+    try:
+        from gateway.epp.envoy import envoy_config, fleet_endpoints
+    except ImportError as exc:  # xds-protos: the picker's protocol names come from it
+        print(f"kvgate envoy-config: needs the epp extra (pip install 'kvgate[epp]'): {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.fallbacks < 0 or not args.engine_idle_s > 0:
         print(
             "kvgate envoy-config: --fallbacks must be >= 0 and --engine-idle-s > 0",
             file=sys.stderr,
         )
         return 2
+    settings = load_for_envoy(args.config, "kvgate envoy-config")
+    if settings is None:
+        return 2
     try:
-        settings = load_settings(args.config)
-    except (ConfigError, OSError, ValueError) as exc:
-        print(f"kvgate envoy-config: {exc}", file=sys.stderr)
+        engines, per_connection = fleet_endpoints(settings)
+    except OSError as exc:  # a host name that does not resolve
+        print(f"kvgate envoy-config: {args.config}: engine address: {exc}", file=sys.stderr)
         return 2
-    why = check_supported(settings)
-    if why is not None:
-        print(f"kvgate envoy-config: {args.config}: {why}", file=sys.stderr)
-        return 2
-    engines, per_connection = fleet_endpoints(settings)
     guessed = [
         i.id
         for i in settings.instances()

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from config.errors import KvgateError
+from config.loader import load_settings
 from config.settings import KEEP_ALIVE_S, ServerSettings, Settings
 from gateway.serve import server_config, start_server
 
@@ -59,12 +64,7 @@ def test_kvgate_serve_takes_keep_alive_s_from_its_settings() -> None:
     assert config.timeout_keep_alive == 12.5
 
 
-def test_keep_alive_s_must_be_positive(tmp_path) -> None:
-    import pytest
-
-    from config.errors import KvgateError
-    from config.loader import load_settings
-
+def test_keep_alive_s_must_be_positive(tmp_path: Path) -> None:
     path = tmp_path / "k.toml"
     path.write_text(
         '[server]\nkeep_alive_s = 0\n[[pools]]\nname = "w"\nrole = "both"\n'

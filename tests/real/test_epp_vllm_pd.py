@@ -25,11 +25,9 @@ from tests.real.pd_harness import (
     wait_for,
     warm_nixl_handshake,
 )
-from tests.real.test_vllm_pd import LONG_TEXT, STALL_S
+from tests.real.test_vllm_pd import LONG_TEXT, STALL_S, TEXT
 
 pytestmark = pytest.mark.real_engine
-
-TEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 10  # ~500 tokens
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.epp.engine_addresses import EngineAddresses, endpoint_of
+from gateway.epp.engine_addresses import EngineAddresses
+from gateway.epp.envoy import endpoint_of
 from tests.gateway.epp.test_exchange import URLS, colocated_gateway
 
 

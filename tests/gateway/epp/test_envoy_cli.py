@@ -78,6 +78,13 @@ def test_bad_input_exits_2_with_a_message(tmp_path: Path, capsys) -> None:
     assert "sidecar_url" in capsys.readouterr().err
     assert main(["envoy-config", "--config", str(bad), "--engine-idle-s", "0"]) == 2
     assert "--engine-idle-s > 0" in capsys.readouterr().err
+    nameless = tmp_path / "nameless.toml"  # Envoy's STATIC cluster takes addresses: resolved
+    nameless.write_text(
+        '[[pools]]\nname = "w"\nrole = "both"\n'
+        '[[pools.instances]]\nid = "w0"\nurl = "http://no-such-host.invalid:8401"\n'
+    )
+    assert main(["envoy-config", "--config", str(nameless)]) == 2
+    assert "engine address" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["envoy-config", "--config", str(bad), "--listen", "8081"])
     assert exit_.value.code == 2

@@ -26,7 +26,7 @@ from config.settings import (
     Settings,
 )
 from gateway.epp import protocol as pr
-from gateway.epp.engine_addresses import endpoint_of
+from gateway.epp.envoy import endpoint_of
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway

@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from gateway.epp import protocol as pr
 from gateway.epp.cli import check_supported
-from gateway.epp.engine_addresses import endpoint_of
+from gateway.epp.envoy import endpoint_of
 from gateway.epp.exchange import Exchange
 from gateway.epp.pd_sidecar import PREFILLER_HEADER
 from gateway.epp.picker import Picker
