@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,22 @@ class FakeEngineAnswer:
         pass
 
 
+def body_receiver(body: bytes, never: asyncio.Future[None]) -> Callable[[], Awaitable[dict]]:
+    """An ASGI ``receive`` that hands over ``body`` once, then waits on ``never``: a client
+    that stays connected."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never
+        raise AssertionError
+
+    return receive
+
+
 class FakeDriver:
     async def open(self, session: Any, plan: Any) -> FakeEngineAnswer:
         return FakeEngineAnswer()
@@ -113,7 +130,7 @@ def _settings(tmp: Path):
     return load_settings(path)
 
 
-async def _handler_run(n: int, reps: int, tmp: Path) -> list[float]:
+async def _handler_run(n: int, reps: int, tmp: Path, unique: bool = False) -> list[float]:
     from gateway.app import build_app
     from gateway.gc_tuning import tune_gc
     from gateway.proxy import CompletionHandler
@@ -123,31 +140,23 @@ async def _handler_run(n: int, reps: int, tmp: Path) -> list[float]:
     handler = CompletionHandler(gw)
     tune_gc()
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    bodies = [chat_body(i) for i in range(256)]
+    # 256 bodies cycled (the proxy benchmark's), or a new user turn for every request: the
+    # exact encoder's segment cache then finds only the shared system prompt, as in real traffic.
+    count = n * reps if unique else 256
+    bodies = [chat_body(i) for i in range(count)]
     headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
     scope = {"type": "http", "method": "POST", "path": CHAT, "headers": headers}
 
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    def receiver(body: bytes):
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await never  # the client never leaves
-            raise AssertionError
-
-        return receive
-
     per_request = []
+    k = 0
     for _ in range(reps):
         t0 = time.process_time()
-        for i in range(n):
-            await handler(scope, receiver(bodies[i % 256]), send)
+        for _ in range(n):
+            await handler(scope, body_receiver(bodies[k % count], never), send)
+            k += 1
         per_request.append((time.process_time() - t0) / max(n, 1) * 1e6)
     if gw.conductor.requests:
         raise RuntimeError("requests left in the books: the fake engine path is broken")
@@ -188,7 +197,7 @@ def _core_run(n: int, reps: int, tmp: Path) -> list[float]:
     return per_request
 
 
-def measure(part: str, n: int, reps: int) -> list[float]:
+def measure(part: str, n: int, reps: int, unique: bool = False) -> list[float]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -197,14 +206,14 @@ def measure(part: str, n: int, reps: int) -> list[float]:
         try:
             import uvloop
         except ImportError:  # pragma: no cover - uvloop is a dependency of kvgate serve
-            return asyncio.run(_handler_run(n, reps, Path(d)))
-        return uvloop.run(_handler_run(n, reps, Path(d)))
+            return asyncio.run(_handler_run(n, reps, Path(d), unique))
+        return uvloop.run(_handler_run(n, reps, Path(d), unique))
 
 
-def _instructions(part: str, n: int) -> int:
+def _instructions(part: str, n: int, unique: bool = False) -> int:
     """Instructions of a whole run under callgrind (fixed hash seed, no ASLR if possible)."""
     cmd = [sys.executable, "-m", "bench.hot_path_cost", "--part", part, "--requests", str(n)]
-    cmd += ["--reps", "1", "--quiet"]
+    cmd += ["--reps", "1", "--quiet", *(["--unique"] if unique else [])]
     prefix = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
     out = subprocess.run(
         [*prefix, "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd],
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2000, help="requests per repetition")
     p.add_argument("--reps", type=int, default=15, help="repetitions (CPU time: median)")
     p.add_argument("--callgrind", action="store_true", help="count instructions instead")
+    unique = "handler: a new user turn for every request (default: 256 bodies cycled)"
+    p.add_argument("--unique", action="store_true", help=unique)
     p.add_argument("--json", help="write the result here")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -236,20 +247,22 @@ def main(argv: list[str] | None = None) -> int:
             print("bench.hot_path_cost: --callgrind needs valgrind on PATH", file=sys.stderr)
             return 2
         print(f"callgrind: 1 and {1 + a.requests} requests ({a.part})...", file=sys.stderr)
-        base, full = _instructions(a.part, 1), _instructions(a.part, 1 + a.requests)
+        base = _instructions(a.part, 1, a.unique)
+        full = _instructions(a.part, 1 + a.requests, a.unique)
         result: dict[str, Any] = {
             "part": a.part,
             "requests": a.requests,
             "instructions_per_request": round((full - base) / a.requests),
         }
     else:
-        times = measure(a.part, a.requests, a.reps)
+        times = measure(a.part, a.requests, a.reps, a.unique)
         if a.quiet:
             return 0
         result = {
             "part": a.part,
             "requests": a.requests,
             "reps": a.reps,
+            "unique_prompts": a.unique,
             "cpu_us_per_request_median": round(statistics.median(times), 1),
             "cpu_us_per_request_min": round(min(times), 1),
         }

@@ -87,6 +87,7 @@ def _check_routing(c: Checker, r: RoutingSettings) -> None:
     c.non_empty("routing.model_dir", r.model_dir)
     c.non_empty("routing.tokenizer_file", r.tokenizer_file)
     c.positive("routing.chars_per_token", r.chars_per_token)
+    c.at_least("routing.tokenize_offload_chars", r.tokenize_offload_chars, 0)
     c.at_least("routing.seed", r.seed, 0)  # a seed is an id to reproduce a run: kept >= 0
 
 

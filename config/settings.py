@@ -176,6 +176,9 @@ class RoutingSettings:
     model_dir: str | None = None
     tokenizer_file: str | None = None
     chars_per_token: float = 4.0
+    # With model_dir: a prompt with at least this many characters left to tokenize (not in
+    # the segment cache) is tokenized in a worker thread, off the event loop; 0 = never.
+    tokenize_offload_chars: int = 8192
     seed: int = 0
     # llama.cpp instances: pin each request to the slot (``id_slot``) that holds its longest
     # prefix, waiting behind at most this many queued requests before taking another slot

@@ -140,6 +140,7 @@ class RequestHead:
     body: dict[str, Any]
     stream: bool
     route: ModelRoute | None  # config ``models``: the model the body names
+    size: int  # bytes of JSON: at least the characters of the prompt's text
 
 
 def parse_head(raw: bytes, models: Mapping[str, ModelRoute] | None = None) -> RequestHead:
@@ -158,7 +159,7 @@ def parse_head(raw: bytes, models: Mapping[str, ModelRoute] | None = None) -> Re
         stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
-    return RequestHead(body, stream, served_route(body, models) if models else None)
+    return RequestHead(body, stream, served_route(body, models) if models else None, len(raw))
 
 
 def head_info(

@@ -113,6 +113,7 @@ class CompletionHandler:
                 path, head, headers, request_id, send
             ):
                 return
+            await gw.tokenize_ahead(path, head)  # a long prompt: in a worker thread
             parsed = gw.parse_prompt(path, head, headers, request_id)
         except ConnectionResetError:
             return
@@ -226,42 +227,40 @@ class CompletionHandler:
             try:
                 upstream = await self._open(parsed, path, raw, decision)
             except asyncio.CancelledError:  # the server gave up on the request (shutdown)
-                gw.unpin_slot(rid)
-                gw.conductor.failed(rid, gw.clock())
-                record.outcome = "failed"
+                self._attempt_failed(rid, record)
                 raise
             except UpstreamError as exc:
-                gw.unpin_slot(rid)
-                gw.conductor.failed(rid, gw.clock())
-                record.outcome = "failed"  # this attempt's record; a retry makes its own
+                self._attempt_failed(rid, record)  # this attempt's; a retry makes its own
                 if exc.status is None or exc.status >= 500:  # a 4xx is the request's fault
                     gw.legs.failed(exc.instance_id, exc.kind)
                 # Retry elsewhere while nothing reached the client, unless the engine went
                 # silent: the time the client can wait is spent.
-                retryable = exc.status is None and exc.kind is not Failure.SILENT
-                if retryable and retries > 0:
-                    retries -= 1
-                    failed_on |= {exc.instance_id}
-                    last_error = exc
-                    gw.metrics.retries.inc()
-                    continue
-                self._count(self._upstream_error, parsed.info, "upstream_error")
-                await send_upstream_error(send, exc, rid)
-                return
-            if upstream.instance_id != decision.decode:  # moved by late decode binding
-                decision = replace(decision, decode=upstream.instance_id)
-                record.decode = decision.decode
-            failed = await self._relay(
-                parsed, upstream, decision, record, receive, send, may_retry=retries > 0
-            )
-            if failed is None:
-                return
-            # The engine failed before any byte of its answer reached the client (e.g. killed
-            # after its response headers): as invisible to the client as a refused connection.
+                if exc.status is not None or exc.kind is Failure.SILENT or retries <= 0:
+                    self._count(self._upstream_error, parsed.info, "upstream_error")
+                    await send_upstream_error(send, exc, rid)
+                    return
+                failed: UpstreamError | None = exc
+            else:
+                if upstream.instance_id != decision.decode:  # moved by late decode binding
+                    decision = replace(decision, decode=upstream.instance_id)
+                    record.decode = decision.decode
+                # None: answered. Else the engine failed before any byte of its answer
+                # reached the client (e.g. killed after its response headers): as invisible
+                # to the client as a refused connection, so retried the same way.
+                failed = await self._relay(
+                    parsed, upstream, decision, record, receive, send, may_retry=retries > 0
+                )
+                if failed is None:
+                    return
             retries -= 1
             failed_on |= {failed.instance_id}
             last_error = failed
             gw.metrics.retries.inc()
+
+    def _attempt_failed(self, rid: str, record: DecisionRecord) -> None:
+        self.gw.unpin_slot(rid)
+        self.gw.conductor.failed(rid, self.gw.clock())
+        record.outcome = "failed"
 
     async def _open(
         self, parsed: ParsedRequest, path: str, raw: bytes, d: Decision

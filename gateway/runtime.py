@@ -45,6 +45,8 @@ from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replica_metrics import ReplicaExchangeCollector
 from gateway.replicator import EngineView, Replicator, TargetUrls
+from gateway.silence import silence_timeout_s
+from gateway.tokenize_ahead import TokenizeAhead
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
 from routing.hashing import BlockHasher
@@ -67,6 +69,7 @@ class Gateway:
         self.tracing = Tracing(settings.server)
         self.prompt_encoder = make_prompt_encoder(settings.routing)
         self.hasher = BlockHasher(settings.routing.block_size)
+        self.tokenizing = TokenizeAhead()  # long prompts: in worker threads
         # Per served model (config ``models``): its encoder and key space; else the one above.
         self.default_route = ModelRoute(None, self.prompt_encoder, self.hasher)
         self.model_routes, self.instance_routes = build_model_routes(settings)
@@ -219,12 +222,19 @@ class Gateway:
             srv = settings.server
             self.legs.checker.set_timing(srv.health_interval_s, srv.health_timeout_s)
 
-    def parse(
+    async def parse(
         self, path: str, raw: bytes, headers: Mapping[str, str], request_id: str
     ) -> ParsedRequest:
         """A completion request as the core needs it, with this gateway's settings, encoder,
         key space and models (serve and epp alike); raises BadRequest."""
-        return self.parse_prompt(path, self.parse_head(raw), headers, request_id)
+        head = self.parse_head(raw)
+        await self.tokenize_ahead(path, head)
+        return self.parse_prompt(path, head, headers, request_id)
+
+    async def tokenize_ahead(self, path: str, head: RequestHead) -> None:
+        """A long prompt tokenized in a worker thread (gateway/tokenize_ahead.py)."""
+        limit = self.settings.routing.tokenize_offload_chars
+        await self.tokenizing(path, head, self.prompt_encoder, limit)
 
     def parse_head(self, raw: bytes) -> RequestHead:
         """The body's JSON, ``stream`` and served model, before any prompt work (the proxy's
@@ -247,23 +257,8 @@ class Gateway:
         )
 
     def silence_timeout(self, d: Decision, whole_answer_tokens: int = 0) -> float:
-        """How long an engine that took this request may send nothing before it is aborted:
-        a multiple of the predicted TTFT or of the TTFT SLO, whichever is larger, within the
-        configured bounds (a prediction of 0 or an odd SLO cannot make it tiny or endless).
-        A non-streamed answer's first byte comes after its last token, so for one the same
-        multiples of the generation time (``whole_answer_tokens`` x TBT) are added on top."""
-        srv = self.settings.server
-        t = max(
-            srv.silence_predicted_factor * d.predicted_ttft_s,
-            srv.silence_slo_factor * d.slo_ttft_s,
-        )
-        # max_tokens may be any huge integer the client sent; no engine generates more than
-        # its context (a few million tokens at most), so cap it before the float product.
-        generation = min(whole_answer_tokens, 1 << 24) * max(
-            srv.silence_predicted_factor * d.predicted_tbt_s,
-            srv.silence_slo_factor * d.slo_tbt_s,
-        )
-        return min(max(t, srv.silence_min_s), srv.silence_max_s) + generation
+        """How long an engine that took this request may send nothing (gateway/silence.py)."""
+        return silence_timeout_s(self.settings.server, d, whole_answer_tokens)
 
     # ------------------------------------------------------------------ llama.cpp slots
     def pin_slot(self, request_id: str, instance_id: str, blocks: Sequence[int]) -> int | None:

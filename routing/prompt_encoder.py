@@ -12,6 +12,7 @@ block boundaries are not the engine's.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from routing.tokenizer import Tokenizer, pack_token_ids
 
 CHAT_PATH = "/v1/chat/completions"
 _TOKEN_ID_LIMIT = 1 << 32  # block hashing packs ids as uint32
+_READY_LIMIT = 16  # whole texts tokenized ahead and not yet asked for (a request that failed)
 # apply_chat_template's own parameters: consumed there, never template variables.
 _HF_PARAMS = frozenset(
     {
@@ -41,10 +43,43 @@ class PromptTokens:
     cache_salt: str | None  # body "cache_salt" if given (vLLM's per-request cache namespace)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptWork:
+    """The tokenizing ``encode`` would do for one request, as a job for another thread: the
+    Rust tokenizer releases the GIL, so a long prompt need not stall the event loop.
+    ``jobs``: (text, add_special_tokens, whole) — ``whole`` for a text encoded in one piece,
+    else a stretch of a rendered chat between added tokens (routing/token_segments.py)."""
+
+    tokenizer: EngineTokenizer
+    jobs: tuple[tuple[str, bool, bool], ...]
+
+    @property
+    def chars(self) -> int:
+        return sum(len(text) for text, _, _ in self.jobs)
+
+    def run(self) -> list[bytes]:
+        """The packed ids of each job; pure, so safe in a worker thread."""
+        return [
+            pack_token_ids(token_ids(self.tokenizer, text, add_special_tokens=add))
+            for text, add, _ in self.jobs
+        ]
+
+
 class PromptEncoder(Protocol):
     exact: bool  # True when token ids equal the engine's
 
     def encode(self, path: str, body: Mapping[str, Any]) -> PromptTokens: ...
+
+    def prepare(self, path: str, body: Mapping[str, Any], min_chars: int) -> PromptWork | None:
+        """The request's tokenizing as a job for another thread, when it is at least
+        ``min_chars`` characters; None when smaller, or when the request is malformed
+        (``encode`` then raises the error as always)."""
+        ...
+
+    def accept(self, work: PromptWork, results: list[bytes]) -> None:
+        """``work.run()``'s results, kept so that the next ``encode`` of the request uses
+        them; on the event loop's thread, as ``encode``."""
+        ...
 
 
 def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
@@ -116,6 +151,12 @@ class ApproxPromptEncoder:
             return _tokens(self._pack(prompt), body)
         return _tokens(pack_token_ids(prompt), body)
 
+    def prepare(self, path: str, body: Mapping[str, Any], min_chars: int) -> PromptWork | None:
+        return None  # characters over a ratio (or a small local tokenizer): cheap to do here
+
+    def accept(self, work: PromptWork, results: list[bytes]) -> None:
+        return None
+
     def _pack(self, text: str) -> bytes:
         pack = getattr(self._tokenizer, "pack", None)
         packed = pack(text) if pack is not None else None
@@ -129,7 +170,7 @@ class EnginePromptEncoder:
     """The engine's own token ids, from its tokenizer (a ``tokenizers.Tokenizer``), its chat
     template (None: the model has none, and chat requests are refused as vLLM refuses them)."""
 
-    __slots__ = ("_segments", "_template", "_tok", "_tool_template", "exact")
+    __slots__ = ("_ready", "_rendered", "_segments", "_template", "_tok", "_tool_template", "exact")
 
     def __init__(
         self,
@@ -143,6 +184,10 @@ class EnginePromptEncoder:
         self._template = template
         self._tool_template = tool_template  # a model's named "tool_use" template, if any
         self._segments = SegmentedEncoder(tokenizer, max_bytes=segment_cache_bytes)
+        # Whole texts tokenized in another thread (``accept``), taken by the next encode.
+        self._ready: OrderedDict[tuple[str, bool], bytes] = OrderedDict()
+        # The chat ``prepare`` rendered last, for the ``encode`` of the same body right after.
+        self._rendered: tuple[Mapping[str, Any], str] | None = None
         self.exact = True
 
     @property
@@ -155,9 +200,11 @@ class EnginePromptEncoder:
 
     def encode(self, path: str, body: Mapping[str, Any]) -> PromptTokens:
         if path == CHAT_PATH:
-            text = self.render_chat(body)
+            text = self._render_once(body)
             if _flag(body, "add_special_tokens", False):
                 return _tokens(self._encode_whole(text, True), body)
+            if not self._segments.exact:
+                return _tokens(self._encode_whole(text, False), body)
             return _tokens(self._segments.encode(text), body)
         prompt = completion_prompt(body)
         if isinstance(prompt, str):
@@ -165,7 +212,50 @@ class EnginePromptEncoder:
             return _tokens(self._encode_whole(prompt, add), body)
         return _tokens(pack_token_ids(prompt), body)
 
+    def prepare(self, path: str, body: Mapping[str, Any], min_chars: int) -> PromptWork | None:
+        try:
+            jobs = self._jobs(path, body)
+        except PromptError:
+            return None
+        work = PromptWork(self._tok, tuple(jobs))
+        return work if jobs and work.chars >= min_chars else None
+
+    def _jobs(self, path: str, body: Mapping[str, Any]) -> list[tuple[str, bool, bool]]:
+        """What ``encode`` would tokenize, taking the same branches."""
+        if path == CHAT_PATH:
+            text = self.render_chat(body)
+            self._rendered = (body, text)
+            if _flag(body, "add_special_tokens", False):
+                return [(text, True, True)]
+            if not self._segments.exact:
+                return [(text, False, True)]
+            return [(part, False, False) for part in self._segments.uncached(text)]
+        prompt = completion_prompt(body)
+        if isinstance(prompt, str):
+            return [(prompt, _flag(body, "add_special_tokens", True), True)]
+        return []
+
+    def accept(self, work: PromptWork, results: list[bytes]) -> None:
+        for (text, add, whole), ids in zip(work.jobs, results, strict=True):
+            if not whole:
+                self._segments.remember(text, ids)
+                continue
+            self._ready[(text, add)] = ids
+            if len(self._ready) > _READY_LIMIT:
+                self._ready.popitem(last=False)
+
+    def _render_once(self, body: Mapping[str, Any]) -> str:
+        """``render_chat``, or what ``prepare`` rendered for this very body (held, so its
+        identity cannot pass to another body meanwhile)."""
+        done, self._rendered = self._rendered, None
+        if done is not None and done[0] is body:
+            return done[1]
+        return self.render_chat(body)
+
     def _encode_whole(self, text: str, add_special_tokens: bool) -> bytes:
+        ready = self._ready.pop((text, add_special_tokens), None) if self._ready else None
+        if ready is not None:
+            return ready
         return pack_token_ids(token_ids(self._tok, text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, body: Mapping[str, Any]) -> str:

@@ -119,6 +119,26 @@ class SegmentedEncoder:
             return pack_token_ids(token_ids(self._tok, text, add_special_tokens=False))
         return self._pieces(text, remember=True)
 
+    def uncached(self, text: str) -> list[str]:
+        """The stretches of ``text`` that ``encode`` would hand the tokenizer now (each
+        once, in order); ``[text]`` when not exact (the whole text is encoded each time)."""
+        if not self.exact:
+            return [text]
+        assert self._split is not None
+        seen: set[str] = set()
+        out = []
+        for part in self._split.split(text)[::2]:  # the stretches between added tokens
+            if part and part not in self._cache and part not in seen:
+                seen.add(part)
+                out.append(part)
+        return out
+
+    def remember(self, text: str, ids: bytes) -> None:
+        """Memoize a stretch tokenized elsewhere (``uncached``'s, as packed ids of
+        ``encode(text, add_special_tokens=False)``); ignored when not exact."""
+        if self.exact and text not in self._cache:
+            self._remember(text, ids)
+
     def _pieces(self, text: str, *, remember: bool) -> bytes:
         assert self._split is not None
         parts = self._split.split(text)

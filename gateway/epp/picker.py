@@ -171,7 +171,7 @@ class Picker:
         if isinstance(tenant, Refusal):
             return Immediate(tenant.status, tenant.body, [*tenant.headers, rid_header])
         try:
-            parsed = gw.parse(path, raw, headers, rid)
+            parsed = await gw.parse(path, raw, headers, rid)
         except BadRequest as exc:
             gw.metrics.requests.labels("bad_request").inc()
             self.tenants.count(tenant, "bad_request")

@@ -15,6 +15,12 @@ def test_handler_and_core_runs_measure_and_leave_the_books_empty(capsys) -> None
         assert result["part"] == part and result["cpu_us_per_request_median"] > 0
 
 
+def test_unique_prompts_give_every_request_its_own_user_turn(capsys) -> None:
+    assert hot_path_cost.main(["--requests", "20", "--reps", "2", "--unique"]) == 0
+    assert json.loads(capsys.readouterr().out)["unique_prompts"] is True
+    assert len({hot_path_cost.chat_body(i) for i in range(40)}) == 40
+
+
 def test_bad_arguments_exit_non_zero(capsys) -> None:
     try:
         hot_path_cost.main(["--requests", "0"])

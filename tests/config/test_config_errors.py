@@ -108,6 +108,7 @@ def test_min_greater_than_max(write_toml: WriteToml) -> None:
         ("[routing]\nblock_size = 0", "routing.block_size"),
         ("[routing]\nblock_size = 8192", "routing.block_size"),
         ("[routing]\nkvcache_balancing_threshold = 0.5", "routing.kvcache_balancing_threshold"),
+        ("[routing]\ntokenize_offload_chars = -1", "routing.tokenize_offload_chars"),
         ("[predictors]\noutput_length_quantile = 1.0", "predictors.output_length_quantile"),
         ("[server]\nport = 0", "server.port"),
         ("[replication]\nmax_replicas = 0", "replication.max_replicas"),

@@ -204,3 +204,100 @@ def test_template_errors_and_missing_templates_are_request_errors() -> None:
     with pytest.raises(PromptError, match="no chat template"):
         engine(None).encode(CHAT_PATH, {"messages": [{"role": "user", "content": "x"}]})
     assert engine(None).encode(COMPLETIONS, {"prompt": "x"}).n_tokens > 0
+
+
+LONG_USER = "a long document about caches and prefixes, line after line. " * 40
+
+
+def _ahead(enc: EnginePromptEncoder, path: str, body: dict[str, Any], min_chars: int = 100):
+    """What the gateway does with a long prompt: the work in a thread, then encode."""
+    work = enc.prepare(path, body, min_chars)
+    assert work is not None
+    enc.accept(work, work.run())
+    return work
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT_PATH, {"messages": [{"role": "user", "content": LONG_USER}]}),
+        (
+            CHAT_PATH,
+            {"messages": [{"role": "user", "content": LONG_USER}], "add_special_tokens": True},
+        ),
+        (COMPLETIONS, {"prompt": LONG_USER}),
+        (COMPLETIONS, {"prompt": LONG_USER, "add_special_tokens": False}),
+    ],
+)
+def test_tokenizing_ahead_gives_the_same_ids_and_leaves_encode_nothing_to_do(
+    path: str, body: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = engine().encode(path, body).packed
+    enc = engine()
+    _ahead(enc, path, body)
+    import routing.prompt_encoder as module
+    import routing.token_segments as segments
+
+    def no_tokenizing(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("encode tokenized what was done ahead")
+
+    monkeypatch.setattr(module, "token_ids", no_tokenizing)
+    monkeypatch.setattr(segments, "token_ids", no_tokenizing)
+    assert enc.encode(path, body).packed == expected
+
+
+def test_only_the_stretches_the_cache_lacks_are_work_and_short_work_stays_on_the_loop() -> None:
+    enc = engine()
+    first = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]}
+    enc.encode(CHAT_PATH, first)  # the system prompt is now cached
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": LONG_USER}]
+    }
+    work = enc.prepare(CHAT_PATH, body, 100)
+    assert work is not None
+    assert [text for text, _, _ in work.jobs] == ["user\n" + LONG_USER]
+    assert work.chars == len("user\n" + LONG_USER)
+    assert enc.prepare(CHAT_PATH, body, work.chars + 1) is None  # below the threshold
+    assert enc.prepare(CHAT_PATH, first, 100) is None  # nothing left to tokenize
+
+
+def test_malformed_requests_are_left_to_encode_and_the_approx_encoder_has_no_work() -> None:
+    enc = engine()
+    assert enc.prepare(CHAT_PATH, {"messages": "nope"}, 1) is None
+    assert enc.prepare(COMPLETIONS, {"prompt": ""}, 1) is None
+    assert enc.prepare(COMPLETIONS, {"prompt": list(range(5000))}, 1) is None  # token ids
+    approx = ApproxPromptEncoder(ApproxTokenizer())
+    assert approx.prepare(COMPLETIONS, {"prompt": LONG_USER}, 1) is None
+
+
+def test_whole_texts_done_ahead_are_taken_once_and_bounded() -> None:
+    enc = engine()
+    body = {"prompt": LONG_USER}
+    work = _ahead(enc, COMPLETIONS, body)
+    assert enc.encode(COMPLETIONS, body).packed == work.run()[0]
+    assert not enc._ready  # taken: a whole text is not kept beyond its request
+    for i in range(40):  # results no request asked for (it failed before encoding): bounded
+        _ahead(enc, COMPLETIONS, {"prompt": f"{i} {LONG_USER}"})
+    assert len(enc._ready) == 16
+
+
+def test_a_chat_prepared_for_is_rendered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    renders = 0
+    real = ChatTemplate.render
+
+    def counted(self: ChatTemplate, *args: Any, **kwargs: Any) -> str:
+        nonlocal renders
+        renders += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChatTemplate, "render", counted)
+    enc = engine()
+    body = {"messages": [{"role": "user", "content": "short"}]}
+    other = {"messages": [{"role": "user", "content": "other"}]}
+    assert enc.prepare(CHAT_PATH, body, 10_000) is None  # too short, but rendered to know
+    enc.encode(CHAT_PATH, body)
+    assert renders == 1
+    enc.prepare(CHAT_PATH, body, 10_000)
+    enc.encode(CHAT_PATH, other)  # another body: rendered itself
+    enc.encode(CHAT_PATH, body)  # and this one's render was let go
+    assert renders == 4

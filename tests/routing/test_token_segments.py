@@ -75,3 +75,24 @@ def test_a_tokenizer_without_added_tokens_never_splits() -> None:
     enc = SegmentedEncoder(bare)
     assert not enc.exact
     assert enc.encode("a") == pack_token_ids([0])
+
+
+def test_uncached_lists_what_encode_would_tokenize_and_remember_fills_it() -> None:
+    enc = SegmentedEncoder(TOK)
+    system = "<s><|im_start|>system\n" + "You are a careful assistant. " * 10 + "<|im_end|>\n"
+    text = f"{system}<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    stretches = ["system\n" + "You are a careful assistant. " * 10, "\n", "user\nhello there"]
+    assert enc.uncached(text) == [*stretches, "assistant\n"]  # "\n" twice in the text, once here
+    for part in enc.uncached(text):
+        enc.remember(part, whole(TOK, part))
+    assert enc.uncached(text) == []
+    cached = enc.cached_bytes
+    assert enc.encode(text) == whole(TOK, text)
+    assert enc.cached_bytes == cached  # all found: nothing tokenized or added
+
+
+def test_a_split_that_is_not_exact_tokenizes_the_whole_text_and_remembers_nothing() -> None:
+    enc = SegmentedEncoder(load_tokenizer(lstrip_token=True))
+    assert enc.uncached("a <mask> b") == ["a <mask> b"]
+    enc.remember("a", b"\x00\x00\x00\x00")
+    assert enc.cached_bytes == 0

@@ -1,0 +1,93 @@
+"""A long prompt is tokenized in a worker thread, so that the event loop goes on meanwhile.
+
+The engine-exact encoder (``routing.model_dir``) runs the model's Rust tokenizer, about
+0.14 us per character on this project's machine: ~0.3 ms for a 2k-token chat turn, ~5 ms for
+a 32k-character document, during which every other request and stream of the gateway would
+wait. The tokenizer releases the GIL, so the same work in a thread costs the loop only the
+hand-off and runs on another core where there is one (vLLM's own front end tokenizes off its
+loop for the same reason). Short prompts stay on the loop (the hand-off would cost more than
+it saves), as do prompts whose stretches the segment cache already holds (a shared system
+prompt). The results go back to the encoder on the loop's thread, so its caches are only ever
+touched there; ``parse_prompt`` then finds them.
+
+A busy loop starves the thread: it releases the GIL at every non-blocking poll and takes it
+back at once, and each release wakes the waiting thread, which so never times out and never
+asks for the GIL (CPython's switch request). Measured (bench/loop_stall.py, a loop with no
+idle moment): a 6 ms job took a median 107 ms, at worst 4.2 s. So while jobs are out, one
+task per gateway blocks the loop for ``_YIELD_S`` every ``_YIELD_EVERY_S`` (5 % of it), long
+enough for a waiting thread to take the GIL; and the wait is bounded
+(``_WAIT_S_PER_CHAR``, ~7x this machine's tokenizing time): past it the loop tokenizes the
+prompt itself, as it would have without the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from gateway.openai import RequestHead
+from routing.prompt_encoder import PromptEncoder
+
+log = logging.getLogger("kvgate.gateway")
+_WAIT_S_PER_CHAR = 1e-6
+_MIN_WAIT_S = 0.005
+_YIELD_S = 50e-6
+_YIELD_EVERY_S = 0.001
+
+
+class TokenizeAhead:
+    """Long prompts' tokenizing in worker threads, for one gateway's event loop."""
+
+    def __init__(self) -> None:
+        self._out = 0  # jobs in worker threads
+        self.delivered = 0  # prompts tokenized in a thread
+        self.gave_up = 0  # ... whose thread did not deliver within the bound
+        self._yielder: asyncio.Task[None] | None = None
+
+    async def __call__(
+        self, path: str, head: RequestHead, encoder: PromptEncoder, min_chars: int
+    ) -> bool:
+        """Tokenizes the request's prompt in a worker thread when at least ``min_chars``
+        characters of it need tokenizing (0: never); True if it did. Any failure is left to
+        ``parse_prompt``, which meets it again and answers it as always."""
+        if min_chars <= 0 or head.size < min_chars:  # cheap: most requests end here
+            return False
+        if head.route is not None:  # config ``models``: the model's own encoder
+            encoder = head.route.encoder
+        work = encoder.prepare(path, head.body, min_chars)
+        if work is None:
+            return False
+        job = asyncio.get_running_loop().run_in_executor(None, work.run)
+        job.add_done_callback(self._job_done)
+        self._out += 1
+        if self._yielder is None:
+            self._yielder = asyncio.create_task(self._yield_gil())
+        wait = max(_MIN_WAIT_S, work.chars * _WAIT_S_PER_CHAR)
+        try:
+            results = await asyncio.wait_for(asyncio.shield(job), wait)
+        except TimeoutError:
+            self.gave_up += 1
+            log.debug("tokenizing ahead: no result in %.3f s; the loop tokenizes", wait)
+            return False
+        except (TypeError, ValueError, RuntimeError) as exc:  # bad text; a busy tokenizer
+            log.debug("tokenizing ahead failed (%s); the loop tokenizes", exc)
+            return False
+        encoder.accept(work, results)
+        self.delivered += 1
+        return True
+
+    def _job_done(self, job: asyncio.Future[list[bytes]]) -> None:
+        self._out -= 1
+        if not job.cancelled():
+            job.exception()  # retrieved: a job given up on may fail later, unheard
+
+    async def _yield_gil(self) -> None:
+        try:
+            while self._out > 0:
+                # Blocking on purpose: a sleep releases the GIL for long enough that a
+                # worker thread, woken by the release, takes it (see the module docstring).
+                time.sleep(_YIELD_S)
+                await asyncio.sleep(_YIELD_EVERY_S)
+        finally:
+            self._yielder = None
