@@ -71,3 +71,13 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def end_children_on_sigterm() -> None:
+    """SIGTERM ends a benchmark as Ctrl-C does: its ``finally`` blocks end the children it
+    started, by PID."""
+    signal.signal(signal.SIGTERM, _interrupt)

@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from typing import Any
 import aiohttp
 
 from bench.emulated_fleet import EmulatedFleet, FleetSpec
+from bench.kvgate_serve import end_children_on_sigterm
 from bench.overload_report import (
     Phase,
     PhaseRun,
@@ -341,18 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="config and logs (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
-    p.add_argument(
-        "--reject-probe",
-        action="store_true",
-        help="also run a sequential client of rejected 4k-token requests (x-slo-ttft-ms: 1)",
-    )
+    probe = "also run a sequential client of rejected 4k-token requests (x-slo-ttft-ms: 1)"
+    p.add_argument("--reject-probe", action="store_true", help=probe)
     p.add_argument("--probe-every-ms", type=float, default=100.0, help="its send period")
-    p.add_argument(
-        "--refit-interval-s",
-        type=float,
-        default=None,
-        help="the gateway's prefill refits (default: 0 = none for overload, 60 for soak)",
-    )
+    refits = "the gateway's prefill refits (default: 0 = none for overload, 60 for soak)"
+    p.add_argument("--refit-interval-s", type=float, default=None, help=refits)
     p.add_argument("--refit-window", type=int, default=None, help="server.refit_window")
     return p
 
@@ -387,13 +380,9 @@ def fleet_spec(args: argparse.Namespace, workdir: Path) -> FleetSpec:
     )
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends the children by PID like Ctrl-C does
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    end_children_on_sigterm()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix=f"kvgate-{args.mode}-"))
     with EmulatedFleet(fleet_spec(args, workdir)) as fleet:
         rep = asyncio.run(run_mode(fleet, args))

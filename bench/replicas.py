@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.kvgate_serve import KVGATE_MAIN, wait_healthy
 from gateway.demo import bundled_trace
 from replay.live.loadgen import LoadOptions, prompt_ids, send_one
 from replay.report.report import summarize
@@ -109,9 +109,8 @@ def _port() -> int:
 
 
 def _kvgate(log: Path, *args: str) -> subprocess.Popen:
-    code = "import sys; from gateway.cli import main; sys.exit(main())"
     out = log.open("w")
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=out)
+    return subprocess.Popen([sys.executable, "-c", KVGATE_MAIN, *args], stdout=out, stderr=out)
 
 
 class StartError(RuntimeError):
@@ -119,18 +118,11 @@ class StartError(RuntimeError):
     another process)."""
 
 
-async def _wait(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise StartError(f"{url}: process exited with {proc.returncode}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.2)
-    raise StartError(f"{url} did not come up")
+async def _wait(url: str, proc: subprocess.Popen) -> None:
+    try:
+        await asyncio.to_thread(wait_healthy, f"{url}/health", proc, 60.0, url)
+    except (RuntimeError, TimeoutError) as exc:
+        raise StartError(str(exc)) from None
 
 
 def _config(

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from typing import Any
 import aiohttp
 
 from bench.emulated_fleet import EmulatedFleet, FleetSpec
+from bench.kvgate_serve import end_children_on_sigterm
 from bench.overload_report import Phase, PhaseRun, phase_summary
 from bench.overload_soak import DRAIN_S, MAX_PENDING, phase_trace
 from config.tenant_keys import hash_key
@@ -246,13 +246,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends the children by PID like Ctrl-C does
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    end_children_on_sigterm()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvgate-tenants-"))
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.fairness]
     runs = []

@@ -158,6 +158,13 @@ class GatewayMetrics:
             "slot that held them",
             registry=r,
         )
+        self.tokenized_ahead = Counter(
+            "kvgate_prompts_tokenized_ahead",
+            "Long prompts given to a worker thread to tokenize (gateway/tokenize_ahead.py), by "
+            "outcome: delivered, or gave_up (no result within the bound; the loop tokenized)",
+            ["outcome"],
+            registry=r,
+        )
         self.engine_metrics_understood = Gauge(
             "kvgate_engine_metrics_understood",
             "1 if the instance's /metrics gave a load signal kvgate understands, else 0",

@@ -66,10 +66,10 @@ class Gateway:
             settings, predictor_factory(settings.predictors, self.measured_profiles)
         )
         self.metrics = GatewayMetrics()
+        self.tokenizing = TokenizeAhead(self.metrics.tokenized_ahead)  # long prompts: threads
         self.tracing = Tracing(settings.server)
         self.prompt_encoder = make_prompt_encoder(settings.routing)
         self.hasher = BlockHasher(settings.routing.block_size)
-        self.tokenizing = TokenizeAhead()  # long prompts: in worker threads
         # Per served model (config ``models``): its encoder and key space; else the one above.
         self.default_route = ModelRoute(None, self.prompt_encoder, self.hasher)
         self.model_routes, self.instance_routes = build_model_routes(settings)

@@ -26,6 +26,8 @@ import asyncio
 import logging
 import time
 
+from prometheus_client import Counter
+
 from gateway.openai import RequestHead
 from routing.prompt_encoder import PromptEncoder
 
@@ -39,10 +41,11 @@ _YIELD_EVERY_S = 0.001
 class TokenizeAhead:
     """Long prompts' tokenizing in worker threads, for one gateway's event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, outcomes: Counter | None = None) -> None:
         self._out = 0  # jobs in worker threads
         self.delivered = 0  # prompts tokenized in a thread
         self.gave_up = 0  # ... whose thread did not deliver within the bound
+        self._outcomes = outcomes  # kvgate_prompts_tokenized_ahead_total{outcome}
         self._yielder: asyncio.Task[None] | None = None
 
     async def __call__(
@@ -68,13 +71,17 @@ class TokenizeAhead:
             results = await asyncio.wait_for(asyncio.shield(job), wait)
         except TimeoutError:
             self.gave_up += 1
+            if self._outcomes is not None:
+                self._outcomes.labels("gave_up").inc()
             log.debug("tokenizing ahead: no result in %.3f s; the loop tokenizes", wait)
             return False
-        except (TypeError, ValueError, RuntimeError) as exc:  # bad text; a busy tokenizer
-            log.debug("tokenizing ahead failed (%s); the loop tokenizes", exc)
+        except Exception as exc:  # bad text, say: the loop's own encode meets and answers it
+            log.debug("tokenizing ahead failed (%r); the loop tokenizes", exc)
             return False
         encoder.accept(work, results)
         self.delivered += 1
+        if self._outcomes is not None:
+            self._outcomes.labels("delivered").inc()
         return True
 
     def _job_done(self, job: asyncio.Future[list[bytes]]) -> None:

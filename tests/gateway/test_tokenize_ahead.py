@@ -130,6 +130,9 @@ async def test_the_gateway_parses_a_long_prompt_as_it_would_on_the_loop(
     got = (await ahead.parse(path, raw, {}, "r1")).info
     assert got.block_hashes == want.block_hashes and got.prompt_tokens == want.prompt_tokens
     assert got.prompt_tokens > 1000
+    sample = ahead.metrics.registry.get_sample_value
+    assert sample("kvgate_prompts_tokenized_ahead_total", {"outcome": "delivered"}) == 1
+    assert on_loop.tokenizing.delivered == 0
 
 
 class SlowInThreads(ThreadsSeen):
@@ -152,7 +155,9 @@ async def test_a_thread_that_gets_no_turn_is_not_waited_for_past_its_bound() -> 
     enc = EnginePromptEncoder(tok, chat)
     body = {"prompt": DOCUMENT}
     t0 = time.perf_counter()
-    assert not await TokenizeAhead()(COMPLETIONS, _head(body), enc, 8192)
+    ahead = TokenizeAhead()
+    assert not await ahead(COMPLETIONS, _head(body), enc, 8192)
+    assert ahead.gave_up == 1
     assert time.perf_counter() - t0 < 0.25  # gave up at its bound (~24 ms), not at 0.3 s
     want = EnginePromptEncoder(load_tokenizer(), chat).encode(COMPLETIONS, body).packed
     assert enc.encode(COMPLETIONS, body).packed == want  # the loop tokenized it itself
@@ -189,3 +194,19 @@ async def _busy_loop_case() -> None:
         await task
     await asyncio.sleep(0.01)
     assert ahead._yielder is None  # no job out: the loop is not held any more
+
+
+@run
+async def test_a_prompt_the_thread_cannot_tokenize_is_answered_by_the_usual_parse(
+    tmp_path: Path,
+) -> None:
+    from gateway.openai import BadRequest
+
+    model_dir = str(write_model_dir(tmp_path / "model"))
+    base = Settings()
+    gw = Gateway(replace(base, routing=replace(base.routing, model_dir=model_dir)))
+    raw = b'{"prompt": "' + b"x " * 6000 + b'\\ud800", "max_tokens": 4}'  # a lone surrogate
+    with pytest.raises(BadRequest) as exc:
+        await gw.parse(COMPLETIONS, raw, {}, "r1")
+    assert exc.value.param == "prompt" and "surrogate" in exc.value.message
+    assert gw.tokenizing.delivered == 0

@@ -239,6 +239,9 @@ refit_interval_s = 0
 [routing]
 block_size = 16
 model_dir = "{model_dir}"
+# Low enough that the long chat and text prompts below are tokenized in a worker thread
+# (gateway/tokenize_ahead.py): the keys must come out the same that way.
+tokenize_offload_chars = 1000
 [admission]
 mode = "none"
 [replication]
@@ -329,5 +332,6 @@ def test_through_the_gateway_engine_events_carry_the_requests_keys(
     asyncio.run(asyncio.wait_for(main(), timeout=180))
     print("\ngateway: keys rebuilt from engine events, % of the request's keys:", report)
     assert report and all(v == 100.0 for v in report.values()), report
+    assert gw.tokenizing.delivered == 2  # the chat and the text prompt, in a thread
     stats = gw.kv_feeds.keys["v0"].stats if "v0" in gw.kv_feeds.keys else None
     print("engine key map:", stats)
