@@ -161,7 +161,8 @@ class GatewayMetrics:
         self.tokenized_ahead = Counter(
             "kvgate_prompts_tokenized_ahead",
             "Long prompts given to a worker thread to tokenize (gateway/tokenize_ahead.py), by "
-            "outcome: delivered, or gave_up (no result within the bound; the loop tokenized)",
+            "outcome: delivered; gave_up (no result within the bound) or threads_busy (one job "
+            "per core out already): the loop tokenized",
             ["outcome"],
             registry=r,
         )

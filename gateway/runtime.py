@@ -391,4 +391,5 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         self.client.close()
+        self.tokenizing.close()
         self.tracing.shutdown()

@@ -17,14 +17,19 @@ idle moment): a 6 ms job took a median 107 ms, at worst 4.2 s. So while jobs are
 task per gateway blocks the loop for ``_YIELD_S`` every ``_YIELD_EVERY_S`` (5 % of it), long
 enough for a waiting thread to take the GIL; and the wait is bounded
 (``_WAIT_S_PER_CHAR``, ~7x this machine's tokenizing time): past it the loop tokenizes the
-prompt itself, as it would have without the thread.
+prompt itself, as it would have without the thread. Jobs run in the gateway's own threads,
+at most one per core at a time (a burst of long prompts beyond that is tokenized on the loop,
+as before, rather than queue past its bound and be done twice); never in asyncio's default
+executor, which also resolves host names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import Counter
 
@@ -41,12 +46,23 @@ _YIELD_EVERY_S = 0.001
 class TokenizeAhead:
     """Long prompts' tokenizing in worker threads, for one gateway's event loop."""
 
-    def __init__(self, outcomes: Counter | None = None) -> None:
+    def __init__(self, outcomes: Counter | None = None, threads: int | None = None) -> None:
+        self._threads = threads or os.cpu_count() or 1
+        self._pool: ThreadPoolExecutor | None = None  # made on first use
         self._out = 0  # jobs in worker threads
         self.delivered = 0  # prompts tokenized in a thread
         self.gave_up = 0  # ... whose thread did not deliver within the bound
         self._outcomes = outcomes  # kvgate_prompts_tokenized_ahead_total{outcome}
         self._yielder: asyncio.Task[None] | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _count(self, outcome: str) -> None:
+        if self._outcomes is not None:
+            self._outcomes.labels(outcome).inc()
 
     async def __call__(
         self, path: str, head: RequestHead, encoder: PromptEncoder, min_chars: int
@@ -58,10 +74,15 @@ class TokenizeAhead:
             return False
         if head.route is not None:  # config ``models``: the model's own encoder
             encoder = head.route.encoder
+        if self._out >= self._threads:
+            self._count("threads_busy")
+            return False
         work = encoder.prepare(path, head.body, min_chars)
         if work is None:
             return False
-        job = asyncio.get_running_loop().run_in_executor(None, work.run)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvgate-tokenize")
+        job = asyncio.get_running_loop().run_in_executor(self._pool, work.run)
         job.add_done_callback(self._job_done)
         self._out += 1
         if self._yielder is None:
@@ -71,8 +92,7 @@ class TokenizeAhead:
             results = await asyncio.wait_for(asyncio.shield(job), wait)
         except TimeoutError:
             self.gave_up += 1
-            if self._outcomes is not None:
-                self._outcomes.labels("gave_up").inc()
+            self._count("gave_up")
             log.debug("tokenizing ahead: no result in %.3f s; the loop tokenizes", wait)
             return False
         except Exception as exc:  # bad text, say: the loop's own encode meets and answers it
@@ -80,8 +100,7 @@ class TokenizeAhead:
             return False
         encoder.accept(work, results)
         self.delivered += 1
-        if self._outcomes is not None:
-            self._outcomes.labels("delivered").inc()
+        self._count("delivered")
         return True
 
     def _job_done(self, job: asyncio.Future[list[bytes]]) -> None:

@@ -210,3 +210,22 @@ async def test_a_prompt_the_thread_cannot_tokenize_is_answered_by_the_usual_pars
         await gw.parse(COMPLETIONS, raw, {}, "r1")
     assert exc.value.param == "prompt" and "surrogate" in exc.value.message
     assert gw.tokenizing.delivered == 0
+
+
+@run
+async def test_one_job_per_thread_out_at_a_time_and_the_rest_on_the_loop() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry = CollectorRegistry()
+    outcomes = Counter("ahead", "outcomes", ["outcome"], registry=registry)
+    tok = SlowInThreads(threading.get_ident())  # each job holds its thread 0.3 s
+    enc = EnginePromptEncoder(tok, ChatTemplate(CHATML, {"bos_token": "<s>"}))
+    ahead = TokenizeAhead(outcomes, threads=1)
+    first = asyncio.create_task(ahead(COMPLETIONS, _head({"prompt": DOCUMENT}), enc, 8192))
+    await asyncio.sleep(0.05)  # it gave up waiting (~24 ms), but its job still holds the thread
+    assert not await ahead(COMPLETIONS, _head({"prompt": "2 " + DOCUMENT}), enc, 8192)
+    assert not await first
+    sample = registry.get_sample_value
+    assert sample("ahead_total", {"outcome": "threads_busy"}) == 1
+    assert sample("ahead_total", {"outcome": "gave_up"}) == 1
+    ahead.close()
