@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-install", action="store_true", help="do not pip-install the routers")
     p.add_argument("--max-total-s", type=float, default=3600, help="stop starting new runs after")
     p.add_argument("--quick", action="store_true", help="smoke test: c=1,16, 2 s, 1 round")
+    unique = "a new user turn for every request (default: 256 bodies cycled)"
+    p.add_argument("--unique", action="store_true", help=unique)
     p.add_argument(
         "--model-dir",
         default=str(tg.default_model_dir() or "") or None,
@@ -98,6 +100,7 @@ class Bench:
         self.rss: dict[str, float] = {}
         self.deadline = time.monotonic() + args.max_total_s
         self.truncated = False
+        self._runs = 0  # wrk runs with --unique so far
 
     def install(self) -> None:
         if "kvgate-exact" in self.args.targets and self.args.model_dir is None:
@@ -156,7 +159,12 @@ class Bench:
         cpu0 = tg.cpu_seconds(pids)
         stub0 = [tg.cpu_seconds(sp) for sp in stub_pids]
         busy0, ru0, t0 = tg.machine_busy_seconds(), _children_cpu(), time.monotonic()
-        res = load.run_wrk(self.wrk, self.lua, url, c, duration, MODES[mode][0], self.args.tokens)
+        unique_from = None
+        if self.args.unique:  # every run its own numbers: no turn repeats across runs
+            self._runs += 1
+            unique_from = self._runs * 10_000_000
+        stream, tokens = MODES[mode][0], self.args.tokens
+        res = load.run_wrk(self.wrk, self.lua, url, c, duration, stream, tokens, unique_from)
         wall = time.monotonic() - t0
         cpu = tg.cpu_seconds(pids) - cpu0
         per_stub = [tg.cpu_seconds(sp) - c0 for sp, c0 in zip(stub_pids, stub0, strict=True)]

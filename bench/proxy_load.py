@@ -14,32 +14,47 @@ from urllib.parse import urlsplit
 
 CHAT_PATH = "/v1/chat/completions"
 
-# 256 distinct ~1 KB chat bodies: a shared ~800-character system prompt and a unique user turn.
-# Arguments after `--`: stream (0|1) and max_tokens.
+# ~1 KB chat bodies: a shared ~800-character system prompt and a user turn of their own; 256
+# of them cycled, or (unique) a new one for every request, numbered from an offset the run
+# gives (so no two runs repeat a turn). Arguments after `--`: stream (0|1), max_tokens,
+# unique (0|1) and the offset.
 CHAT_LUA = r"""
 local bodies = {}
 local n = 256
 local idx = 0
+local unique = false
+local stream, max_tokens = "false", 16
 local system = string.rep("You are a careful assistant for a retail bank. Answer briefly. ", 13)
 
+local function body(i)
+  local user = string.format(
+    "Request %05d: summarise account activity for customer %d in region %d, " ..
+    "list the three largest transactions, and flag anything unusual. ", i, i * 7919, i % 17)
+  user = user .. string.rep(string.format("ctx%03d ", i % 1000), 8)
+  return string.format(
+    '{"model":"stub-model","messages":[{"role":"system","content":"%s"},' ..
+    '{"role":"user","content":"%s"}],"max_tokens":%d,"stream":%s}',
+    system, user, max_tokens, stream)
+end
+
 function init(args)
-  local stream = (args[1] == "1") and "true" or "false"
-  local max_tokens = tonumber(args[2] or "16")
-  for i = 1, n do
-    local user = string.format(
-      "Request %05d: summarise account activity for customer %d in region %d, " ..
-      "list the three largest transactions, and flag anything unusual. ", i, i * 7919, i % 17)
-    user = user .. string.rep(string.format("ctx%03d ", i), 8)
-    bodies[i] = string.format(
-      '{"model":"stub-model","messages":[{"role":"system","content":"%s"},' ..
-      '{"role":"user","content":"%s"}],"max_tokens":%d,"stream":%s}',
-      system, user, max_tokens, stream)
+  stream = (args[1] == "1") and "true" or "false"
+  max_tokens = tonumber(args[2] or "16")
+  unique = (args[3] == "1")
+  idx = tonumber(args[4] or "0")
+  if not unique then
+    for i = 1, n do bodies[i] = body(i) end
+    idx = 0
   end
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
 end
 
 function request()
+  if unique then
+    idx = idx + 1
+    return wrk.format(nil, nil, nil, body(idx))
+  end
   idx = idx % n + 1
   return wrk.format(nil, nil, nil, bodies[idx])
 end
@@ -97,9 +112,17 @@ def parse_wrk(out: str) -> dict:
 
 
 def run_wrk(
-    wrk: str, lua: Path, url: str, c: int, duration_s: float, stream: bool, tokens: int
+    wrk: str,
+    lua: Path,
+    url: str,
+    c: int,
+    duration_s: float,
+    stream: bool,
+    tokens: int,
+    unique_from: int | None = None,
 ) -> dict:
-    """One bounded wrk run (one thread, c keep-alive connections)."""
+    """One bounded wrk run (one thread, c keep-alive connections); ``unique_from``: a new user
+    turn for every request, numbered from there (None: 256 bodies cycled)."""
     cmd = [
         wrk,
         "-t1",
@@ -114,6 +137,8 @@ def run_wrk(
         "--",
         "1" if stream else "0",
         str(tokens),
+        "0" if unique_from is None else "1",
+        str(unique_from or 0),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 30)
     res = parse_wrk(proc.stdout)
