@@ -122,7 +122,8 @@ class FakeDriver:
         return FakeEngineAnswer()
 
 
-def _settings(tmp: Path):
+def load_config(tmp: Path):
+    """The benchmark's gateway config (4 colocated instances), loaded as kvgate loads one."""
     from config.loader import load_settings
 
     path = tmp / "hot-path.toml"
@@ -135,7 +136,7 @@ async def _handler_run(n: int, reps: int, tmp: Path, unique: bool = False) -> li
     from gateway.gc_tuning import tune_gc
     from gateway.proxy import CompletionHandler
 
-    gw = build_app(_settings(tmp)).gateway
+    gw = build_app(load_config(tmp)).gateway
     gw.driver = FakeDriver()  # type: ignore[assignment]
     handler = CompletionHandler(gw)
     tune_gc()
@@ -167,7 +168,7 @@ def _core_run(n: int, reps: int, tmp: Path) -> list[float]:
     from gateway.openai import parse_request
     from gateway.runtime import Gateway
 
-    settings = _settings(tmp)
+    settings = load_config(tmp)
     gw = Gateway(settings)
     parse = [
         parse_request(

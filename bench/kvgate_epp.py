@@ -1,31 +1,25 @@
 """``kvgate epp`` behind a real Envoy, as child processes for benchmarks: the picker on a kvgate
-config, Envoy on the config gateway/epp/envoy.py generates for the engines, waited for until a
-request through Envoy answers; both ended by PID however the benchmark exits."""
+config, Envoy on the config gateway/epp/envoy.py generates for that config's fleet (as
+``kvgate envoy-config`` writes it), waited for until a request through Envoy answers; both
+ended by PID however the benchmark exits."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from bench.kvgate_serve import KVGATE_MAIN, free_port, kvgate_serve, stop_process, wait_healthy
 
 
 @contextmanager
-def kvgate_epp(
-    config: Path,
-    engine_urls: Sequence[str],
-    workdir: Path,
-    timeout_s: float = 60.0,
-    llamacpp: bool = False,
-) -> Iterator[tuple[str, str]]:
-    """Run ``kvgate epp --config config`` and an Envoy in front of ``engine_urls`` steered by
-    it; yields (Envoy's base URL for clients, the picker's HTTP side: /metrics, /admin).
-    ``llamacpp``: the engines are llama-servers (one request per Envoy connection to them)."""
-    from gateway.epp.envoy import envoy_config, start_envoy
+def kvgate_epp(config: Path, workdir: Path, timeout_s: float = 60.0) -> Iterator[tuple[str, str]]:
+    """Run ``kvgate epp --config config`` and an Envoy in front of its fleet steered by it;
+    yields (Envoy's base URL for clients, the picker's HTTP side: /metrics, /admin)."""
+    from config.loader import load_settings
+    from gateway.epp.envoy import envoy_config, fleet_endpoints, start_envoy
 
     workdir.mkdir(parents=True, exist_ok=True)
     grpc_port, http_port, listen = free_port(), free_port(), free_port()
@@ -37,12 +31,12 @@ def kvgate_epp(
     try:
         admin = f"http://127.0.0.1:{http_port}"
         wait_healthy(f"{admin}/metrics", picker, timeout_s, "kvgate epp")
-        engines = [(u.hostname or "127.0.0.1", u.port or 80) for u in map(urlsplit, engine_urls)]
+        engines, per_connection = fleet_endpoints(load_settings(config))
         cfg = envoy_config(
             listen=("127.0.0.1", listen),
             epp=("127.0.0.1", grpc_port),
             engines=engines,
-            requests_per_connection=1 if llamacpp else None,
+            requests_per_connection=per_connection,
         )
         envoy = start_envoy(cfg, workdir)
         url = f"http://127.0.0.1:{listen}"
@@ -55,18 +49,11 @@ def kvgate_epp(
 
 
 @contextmanager
-def kvgate_front(
-    kind: str,
-    config: Path,
-    port: int,
-    engine_urls: Sequence[str],
-    workdir: Path,
-    llamacpp: bool = False,
-) -> Iterator[tuple[str, str]]:
-    """kvgate in front of the engines: ``serve`` (listening on ``port``) or ``epp`` behind a
-    real Envoy; yields (the clients' base URL, kvgate's /metrics and /admin base URL)."""
+def kvgate_front(kind: str, config: Path, port: int, workdir: Path) -> Iterator[tuple[str, str]]:
+    """kvgate in front of the config's engines: ``serve`` (listening on ``port``) or ``epp``
+    behind a real Envoy; yields (the clients' base URL, kvgate's /metrics and /admin base URL)."""
     if kind == "epp":
-        with kvgate_epp(config, engine_urls, workdir, llamacpp=llamacpp) as urls:
+        with kvgate_epp(config, workdir) as urls:
             yield urls
     else:
         with kvgate_serve(config, port, workdir.with_suffix(".log")) as url:

@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.hot_path_cost import CHAT, FakeDriver, _settings, body_receiver, chat_body
+from bench.hot_path_cost import CHAT, FakeDriver, body_receiver, chat_body, load_config
 from config.settings import Settings
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache/kvgate-engines/vllm-0.32.0/tiny-model"
@@ -168,7 +168,7 @@ async def _run(settings: Settings, args: argparse.Namespace, start: int) -> dict
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     rounds: dict[str, list[dict[str, Any]]] = {"on_loop": [], "ahead": []}
     with tempfile.TemporaryDirectory() as d:
-        base = _settings(Path(d))
+        base = load_config(Path(d))
     for r in range(args.rounds):
         order = ["on_loop", "ahead"] if r % 2 == 0 else ["ahead", "on_loop"]
         for mode in order:

@@ -252,6 +252,8 @@ def gateway_config(
         protocol = "vllm" if e.kind == "vllm" else "openai"
         lines += ["[[pools.instances]]", f'id = "e{i}"', f'url = "{e.url}"']
         lines.append(f'protocol = "{protocol}"')
+        if e.kind == "llamacpp":  # declared: Envoy must take one request per connection
+            lines.append('engine = "llamacpp"')
         if e.kv_events_endpoint:
             lines.append(f'kv_events_endpoint = "{e.kv_events_endpoint}"')
     return "\n".join(lines) + "\n"
@@ -292,9 +294,7 @@ def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -
                 engines, policy, port, args.extra_config, model_dir, args.refit_interval_s
             )
         )
-        urls = [e.url for e in engines]
-        llama = args.engine == "llamacpp"
-        with kvgate_front(args.front, cfg, port, urls, tmp / policy, llama) as (url, admin):
+        with kvgate_front(args.front, cfg, port, tmp / policy) as (url, admin):
             model = engines[0].model
             lines = args.instances * args.slots if args.engine == "llamacpp" else None
             res = asyncio.run(

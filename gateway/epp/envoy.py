@@ -273,8 +273,8 @@ def envoy_config(
             "clusters": [engines_cluster, epp_cluster],
         }
     }
-    if admin_port is not None:
-        config["admin"] = {"address": _socket(listen[0], admin_port)}
+    if admin_port is not None:  # the admin interface is for this host only
+        config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
     return config
 
 

@@ -12,8 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-_HOST_PORT_HELP = "HOST:PORT"
-
 
 def _host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
@@ -24,20 +22,12 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="kvgate TOML config (the fleet)")
-    p.add_argument(
-        "--epp",
-        type=_host_port,
-        default=("127.0.0.1", 9002),
-        metavar=_HOST_PORT_HELP,
-        help="where `kvgate epp` serves ext_proc (default 127.0.0.1:9002)",
-    )
-    p.add_argument(
-        "--listen",
-        type=_host_port,
-        default=("0.0.0.0", 8081),
-        metavar=_HOST_PORT_HELP,
-        help="Envoy's listener for clients (default 0.0.0.0:8081)",
-    )
+    for flag, default, what in (
+        ("--epp", ("127.0.0.1", 9002), "where `kvgate epp` serves ext_proc"),
+        ("--listen", ("0.0.0.0", 8081), "Envoy's listener for clients"),
+    ):
+        where = f"{what} (default {default[0]}:{default[1]})"
+        p.add_argument(flag, type=_host_port, default=default, metavar="HOST:PORT", help=where)
     p.add_argument(
         "--fail-open",
         action="store_true",
@@ -109,8 +99,6 @@ def main(args: argparse.Namespace) -> int:
         upstream_idle_s=args.engine_idle_s,
         requests_per_connection=per_connection,
     )
-    if args.admin_port is not None:  # the admin interface is for this host only
-        config["admin"]["address"]["socket_address"]["address"] = "127.0.0.1"
     text = json.dumps(config, indent=2) + "\n"  # Envoy reads JSON as it reads YAML
     if args.out is None:
         sys.stdout.write(text)

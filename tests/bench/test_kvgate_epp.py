@@ -29,10 +29,7 @@ def test_a_request_through_envoy_is_placed_by_the_picker(tmp_path: Path) -> None
     )
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", engine, 30.0, "stub engine")
-        with kvgate_front("epp", config, 0, [f"http://127.0.0.1:{port}"], tmp_path / "e") as (
-            url,
-            admin,
-        ):
+        with kvgate_front("epp", config, 0, tmp_path / "e") as (url, admin):
             body = json.dumps({"model": "stub-model", "prompt": "hi " * 50, "max_tokens": 2})
             req = urllib.request.Request(
                 url + "/v1/completions", body.encode(), {"Content-Type": "application/json"}

@@ -47,3 +47,22 @@ def test_the_summary_keeps_every_record_and_the_brief_drops_them() -> None:
     }
     assert "requests" not in _brief(summary) and _brief(summary)["completed"] == 2
     assert summary["ttft_mean_s"] == 0.3 and summary["engine_hit_ratio"] == 96 / 200
+
+
+def test_llama_servers_are_declared_so_envoy_takes_one_request_per_connection(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from bench.real_prefix_routing import gateway_config
+    from config.loader import load_settings
+    from gateway.epp.envoy import fleet_endpoints
+
+    for kind, want in (("llamacpp", 1), ("vllm", None)):
+        engines = [
+            SimpleNamespace(kind=kind, url=f"http://127.0.0.1:{4100 + i}", kv_events_endpoint=None)
+            for i in range(2)
+        ]
+        path = tmp_path / f"{kind}.toml"
+        path.write_text(gateway_config(engines, "round_robin", 18999, "", None))  # type: ignore[arg-type]
+        endpoints, per_connection = fleet_endpoints(load_settings(path))
+        assert endpoints == [("127.0.0.1", 4100), ("127.0.0.1", 4101)]
+        assert per_connection == want

@@ -13,7 +13,7 @@ from typing import Any
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bench.hot_path_cost import FakeEngineAnswer
+from bench.hot_path_cost import FakeEngineAnswer, body_receiver
 from config.loader import settings_from_dict
 from config.settings import TracingExporter
 from gateway.app import build_app
@@ -61,20 +61,12 @@ def test_one_trace_from_the_client_through_the_decision_to_the_engine(capsys) ->
     sent: list[dict[str, Any]] = []
 
     async def run() -> None:
-        delivered = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # the client never leaves
-            raise AssertionError
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
 
-        await CompletionHandler(gw)(scope, receive, send)
+        await CompletionHandler(gw)(scope, body_receiver(body, never), send)
 
     asyncio.run(run())
     assert sent[0]["status"] == 200

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.epp.engine_addresses import EngineAddresses
 from gateway.epp.envoy import endpoint_of
-from tests.gateway.epp.test_exchange import URLS, colocated_gateway
+from tests.gateway.epp.messages import URLS, colocated_gateway
 
 
 def test_endpoint_of_gives_ip_and_port() -> None:

@@ -5,86 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 import pytest
 
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
 
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 
 from config.settings import (
     AdmissionMode,
-    InstanceSettings,
-    PDProtocol,
-    PoolSettings,
-    Role,
-    Settings,
 )
 from gateway.epp import protocol as pr
 from gateway.epp.envoy import endpoint_of
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
-from gateway.runtime import Gateway
-
-Mode = processing_mode_pb2.ProcessingMode
-URLS = {"a": "http://127.0.0.1:41001", "b": "http://127.0.0.1:41002", "c": "http://localhost:41003"}
-
-
-def colocated_gateway(
-    mode: AdmissionMode = AdmissionMode.EARLY, urls: Mapping[str, str] = URLS, **fields: Any
-) -> Gateway:
-    """A Gateway (not started) over colocated vLLM instances ``id -> url`` with ``mode``
-    admission; ``fields`` replace more of its settings (``slo=``, ``server=`` ...)."""
-    insts = tuple(
-        InstanceSettings(id=i, url=u, role=Role.BOTH, protocol=PDProtocol.VLLM)
-        for i, u in urls.items()
-    )
-    base = Settings()
-    settings = replace(
-        base,
-        pools=(PoolSettings("workers", Role.BOTH, insts),),
-        admission=replace(base.admission, mode=mode),
-        **fields,
-    )
-    return Gateway(settings)
-
-
-def _headers(pairs: dict[str, str], end: bool = False) -> ext.HttpHeaders:
-    return ext.HttpHeaders(
-        headers=base_pb2.HeaderMap(
-            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-        ),
-        end_of_stream=end,
-    )
-
-
-def _request_headers(extra: dict[str, str] | None = None, *, duplex: bool = True):
-    mode = Mode.FULL_DUPLEX_STREAMED if duplex else Mode.BUFFERED
-    h = {":method": "POST", ":path": "/v1/completions", "x-request-id": "rid-1", **(extra or {})}
-    return ext.ProcessingRequest(
-        request_headers=_headers(h),
-        protocol_config=ext.ProtocolConfiguration(
-            request_body_mode=mode, response_body_mode=Mode.FULL_DUPLEX_STREAMED
-        ),
-    )
-
-
-def _body(data: bytes, end: bool, response: bool = False) -> ext.ProcessingRequest:
-    b = ext.HttpBody(body=data, end_of_stream=end)
-    return (
-        ext.ProcessingRequest(response_body=b)
-        if response
-        else ext.ProcessingRequest(request_body=b)
-    )
-
-
-def _set_headers(mutation: ext.HeaderMutation) -> dict[str, str]:
-    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
+from tests.gateway.epp.messages import (
+    URLS,
+    body_msg,
+    colocated_gateway,
+    headers_msg,
+    request_headers_msg,
+    set_headers_of,
+)
 
 
 def _run(coro):
@@ -96,10 +39,10 @@ def test_duplex_request_is_held_then_picked_and_streamed_back() -> None:
         gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=2))
         body = json.dumps({"prompt": "word " * 30_000, "max_tokens": 4}).encode()
-        assert await ex.handle(_request_headers()) == []  # held until the body ended
+        assert await ex.handle(request_headers_msg()) == []  # held until the body ended
         half = len(body) // 2
-        assert await ex.handle(_body(body[:half], False)) == []
-        out = await ex.handle(_body(body[half:], True))
+        assert await ex.handle(body_msg(body[:half], False)) == []
+        out = await ex.handle(body_msg(body[half:], True))
         return gw, ex, body, out
 
     gw, ex, body, out = _run(run())
@@ -107,7 +50,7 @@ def test_duplex_request_is_held_then_picked_and_streamed_back() -> None:
     assert head.WhichOneof("response") == "request_headers"
     common = head.request_headers.response
     assert common.clear_route_cache
-    dest = _set_headers(common.header_mutation)[pr.DESTINATION_HEADER]
+    dest = set_headers_of(common.header_mutation)[pr.DESTINATION_HEADER]
     md = head.dynamic_metadata.fields[pr.LB_NAMESPACE].struct_value.fields
     assert md[pr.DESTINATION_HEADER].string_value == dest  # header and metadata agree
     primary, *fallbacks = dest.split(",")
@@ -128,12 +71,12 @@ def test_response_is_observed_and_the_books_close() -> None:
         gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=0))
         body = json.dumps({"prompt": "hello " * 40, "max_tokens": 3, "stream": True}).encode()
-        await ex.handle(_request_headers())
-        await ex.handle(_body(body, True))
+        await ex.handle(request_headers_msg())
+        await ex.handle(body_msg(body, True))
         rid = ex.flight.request_id
         assert rid in gw.conductor.requests
         reply = await ex.handle(
-            ext.ProcessingRequest(response_headers=_headers({":status": "200"}))
+            ext.ProcessingRequest(response_headers=headers_msg({":status": "200"}))
         )
         events = [
             b'data: {"choices":[{"text":"a"}]}\n\n',
@@ -143,11 +86,11 @@ def test_response_is_observed_and_the_books_close() -> None:
         ]
         streamed = []
         for i, e in enumerate(events):
-            streamed += await ex.handle(_body(e, i == len(events) - 1, response=True))
+            streamed += await ex.handle(body_msg(e, i == len(events) - 1, response=True))
         return gw, ex, reply, streamed
 
     gw, ex, reply, streamed = _run(run())
-    added = _set_headers(reply[0].response_headers.response.header_mutation)
+    added = set_headers_of(reply[0].response_headers.response.header_mutation)
     assert added["x-kvgate-prefill"] == ex.flight.decision.prefill
     assert added["x-request-id"] == "rid-1"
     passed = [r.response_body.response.body_mutation.streamed_response for r in streamed]
@@ -163,9 +106,9 @@ def test_buffered_mode_answers_headers_at_once_and_picks_on_the_body() -> None:
     async def run():
         gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=1))
-        first = await ex.handle(_request_headers(duplex=False))
+        first = await ex.handle(request_headers_msg(duplex=False))
         body = json.dumps({"prompt": "x " * 10, "max_tokens": 2}).encode()
-        second = await ex.handle(_body(body, True))
+        second = await ex.handle(body_msg(body, True))
         ex.close()  # Envoy went away before any answer
         return gw, first, second
 
@@ -173,7 +116,7 @@ def test_buffered_mode_answers_headers_at_once_and_picks_on_the_body() -> None:
     assert first[0].WhichOneof("response") == "request_headers"
     assert not first[0].request_headers.HasField("response")  # a plain continue
     common = second[0].request_body.response
-    dest = _set_headers(common.header_mutation)[pr.DESTINATION_HEADER]
+    dest = set_headers_of(common.header_mutation)[pr.DESTINATION_HEADER]
     md = second[0].dynamic_metadata.fields[pr.LB_NAMESPACE].struct_value.fields
     assert len(dest.split(",")) == 2 and md[pr.DESTINATION_HEADER].string_value == dest
     assert gw.conductor.requests == {} and gw.drain.active == 0  # the broken stream closed them
@@ -183,14 +126,14 @@ def test_rejection_is_an_immediate_429_with_the_serve_body() -> None:
     async def run():
         gw = colocated_gateway(AdmissionMode.EARLY)
         ex = Exchange(Picker(gw))
-        await ex.handle(_request_headers({"x-slo-ttft-ms": "50"}))
+        await ex.handle(request_headers_msg({"x-slo-ttft-ms": "50"}))
         body = json.dumps({"prompt": "word " * 4000, "max_tokens": 2}).encode()
-        return gw, await ex.handle(_body(body, True))
+        return gw, await ex.handle(body_msg(body, True))
 
     gw, out = _run(run())
     imm = out[0].immediate_response
     assert imm.status.code == 429
-    headers = _set_headers(imm.headers)
+    headers = set_headers_of(imm.headers)
     assert int(headers["retry-after"]) >= 1
     assert headers["x-kvgate-reject-reason"] == "ttft_slo"
     assert headers["content-type"] == "application/json"
@@ -206,8 +149,8 @@ def test_rejection_is_an_immediate_429_with_the_serve_body() -> None:
 def test_bad_request_is_an_immediate_4xx_openai_error(raw: bytes, status: int, param) -> None:
     async def run():
         ex = Exchange(Picker(colocated_gateway()))
-        await ex.handle(_request_headers())
-        return await ex.handle(_body(raw, True))
+        await ex.handle(request_headers_msg())
+        return await ex.handle(body_msg(raw, True))
 
     imm = _run(run())[0].immediate_response
     assert imm.status.code == status
@@ -219,10 +162,10 @@ def test_upstream_error_status_closes_the_books_as_failed() -> None:
     async def run():
         gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=0))
-        await ex.handle(_request_headers())
-        await ex.handle(_body(json.dumps({"prompt": "y", "max_tokens": 2}).encode(), True))
-        await ex.handle(ext.ProcessingRequest(response_headers=_headers({":status": "503"})))
-        await ex.handle(_body(b"upstream connect error", True, response=True))
+        await ex.handle(request_headers_msg())
+        await ex.handle(body_msg(json.dumps({"prompt": "y", "max_tokens": 2}).encode(), True))
+        await ex.handle(ext.ProcessingRequest(response_headers=headers_msg({":status": "503"})))
+        await ex.handle(body_msg(b"upstream connect error", True, response=True))
         return gw, ex
 
     gw, ex = _run(run())
@@ -235,12 +178,12 @@ def test_bodyless_request_to_another_path_goes_to_an_engine_without_books() -> N
         gw = colocated_gateway()
         ex = Exchange(Picker(gw))
         h = ext.ProcessingRequest(
-            request_headers=_headers({":method": "GET", ":path": "/v1/models"}, end=True)
+            request_headers=headers_msg({":method": "GET", ":path": "/v1/models"}, end=True)
         )
         return gw, await ex.handle(h)
 
     gw, out = _run(run())
-    dest = _set_headers(out[0].request_headers.response.header_mutation)[pr.DESTINATION_HEADER]
+    dest = set_headers_of(out[0].request_headers.response.header_mutation)[pr.DESTINATION_HEADER]
     assert dest in {endpoint_of(u) for u in URLS.values()}
     assert gw.conductor.requests == {}
 
@@ -250,9 +193,9 @@ def test_body_past_the_limit_is_a_413_at_once() -> None:
         gw = colocated_gateway()
         gw.settings = replace(gw.settings, server=replace(gw.settings.server, max_body_bytes=1000))
         ex = Exchange(Picker(gw))
-        await ex.handle(_request_headers())
-        first = await ex.handle(_body(b"x" * 600, False))
-        second = await ex.handle(_body(b"x" * 600, False))  # not the end yet: answered now
+        await ex.handle(request_headers_msg())
+        first = await ex.handle(body_msg(b"x" * 600, False))
+        second = await ex.handle(body_msg(b"x" * 600, False))  # not the end yet: answered now
         return gw, ex, first, second
 
     gw, ex, first, second = _run(run())
@@ -269,9 +212,9 @@ def test_trailers_end_a_duplex_request_and_pick_it() -> None:
     async def run():
         gw = colocated_gateway()
         ex = Exchange(Picker(gw, fallbacks=0))
-        await ex.handle(_request_headers())
+        await ex.handle(request_headers_msg())
         body = json.dumps({"prompt": "t " * 20, "max_tokens": 2}).encode()
-        assert await ex.handle(_body(body, False)) == []
+        assert await ex.handle(body_msg(body, False)) == []
         out = await ex.handle(ext.ProcessingRequest(request_trailers=ext.HttpTrailers()))
         ex.close()
         return gw, body, out
@@ -294,9 +237,9 @@ def test_a_failure_after_the_decision_still_closes_the_books() -> None:
 
         picker.addresses.of = unresolvable  # type: ignore[method-assign]
         ex = Exchange(picker)
-        await ex.handle(_request_headers())
+        await ex.handle(request_headers_msg())
         with pytest.raises(OSError):
-            await ex.handle(_body(json.dumps({"prompt": "z", "max_tokens": 2}).encode(), True))
+            await ex.handle(body_msg(json.dumps({"prompt": "z", "max_tokens": 2}).encode(), True))
         return gw
 
     gw = _run(run())

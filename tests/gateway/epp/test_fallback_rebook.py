@@ -17,12 +17,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from gateway.epp import protocol as pr
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
-from tests.gateway.epp.test_exchange import (
+from tests.gateway.epp.messages import (
     URLS,
-    _body,
-    _headers,
-    _request_headers,
+    body_msg,
     colocated_gateway,
+    headers_msg,
+    request_headers_msg,
 )
 
 
@@ -42,8 +42,8 @@ def _serve(served_by_fallback: bool) -> tuple[object, object, str, str, tuple[in
         ex = Exchange(Picker(gw, fallbacks=1))
         prompt = "a prompt whose prefix the pick was credited with " * 20
         body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
-        await ex.handle(_request_headers())
-        await ex.handle(_body(body, True))
+        await ex.handle(request_headers_msg())
+        await ex.handle(body_msg(body, True))
         f = ex.flight
         pick = f.decision.prefill
         blocks = gw.conductor.requests[f.request_id].request.block_hashes
@@ -51,7 +51,7 @@ def _serve(served_by_fallback: bool) -> tuple[object, object, str, str, tuple[in
         served = f.endpoints[1] if served_by_fallback else f.endpoints[0]
         await ex.handle(
             ext.ProcessingRequest(
-                response_headers=_headers({":status": "200", pr.SERVED_HEADER: served})
+                response_headers=headers_msg({":status": "200", pr.SERVED_HEADER: served})
             )
         )
         moved = f.decision.prefill
@@ -62,7 +62,7 @@ def _serve(served_by_fallback: bool) -> tuple[object, object, str, str, tuple[in
             assert not gw.conductor.index.is_predicted(pick, blocks[-1])
             assert gw.conductor.index.is_predicted(moved, blocks[-1])
         answer = b'{"choices":[{"text":"ok"}],"usage":{"prompt_tokens":200,"completion_tokens":2}}'
-        await ex.handle(_body(answer, True, response=True))
+        await ex.handle(body_msg(answer, True, response=True))
         return gw, f, pick, moved, blocks
 
     return asyncio.run(run())

@@ -21,7 +21,7 @@ from config.settings import (
 from gateway.epp.exchange import Exchange
 from gateway.epp.server import start_epp
 from replay.emulator import EmulatorConfig, start_emulator
-from tests.gateway.epp.test_exchange import _body, _request_headers, colocated_gateway
+from tests.gateway.epp.messages import body_msg, colocated_gateway, request_headers_msg
 
 TOKEN = "epp-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -31,8 +31,8 @@ BODY = json.dumps({"prompt": "word " * 400, "max_tokens": 2}).encode()
 async def _pick(epp) -> int:
     """The pick's answer: 0 when placed, else the immediate status."""
     ex = Exchange(epp.picker)
-    await ex.handle(_request_headers())
-    out = await ex.handle(_body(BODY, True))
+    await ex.handle(request_headers_msg())
+    out = await ex.handle(body_msg(BODY, True))
     ex.close()
     first = out[0]
     return first.immediate_response.status.code if first.HasField("immediate_response") else 0

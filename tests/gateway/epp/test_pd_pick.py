@@ -22,12 +22,12 @@ from gateway.epp.exchange import Exchange
 from gateway.epp.pd_sidecar import PREFILLER_HEADER
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
-from tests.gateway.epp.test_exchange import (
-    _body,
-    _headers,
-    _request_headers,
-    _set_headers,
+from tests.gateway.epp.messages import (
+    body_msg,
     colocated_gateway,
+    headers_msg,
+    request_headers_msg,
+    set_headers_of,
 )
 
 ENGINES = {"p0": 41101, "p1": 41102, "d0": 41201, "d1": 41202}
@@ -55,9 +55,9 @@ def _pd_settings(sidecars: bool = True) -> Settings:
 def _pick(gw: Gateway, extra: dict[str, str] | None = None):
     async def run():
         ex = Exchange(Picker(gw, fallbacks=1))
-        await ex.handle(_request_headers(extra))
+        await ex.handle(request_headers_msg(extra))
         body = json.dumps({"prompt": "tell me " * 40, "max_tokens": 3}).encode()
-        out = await ex.handle(_body(body, True))
+        out = await ex.handle(body_msg(body, True))
         return ex, out[0].request_headers.response.header_mutation
 
     return asyncio.run(run())
@@ -69,7 +69,7 @@ def test_a_pd_pick_goes_to_the_decode_sidecar_naming_the_prefill_engine() -> Non
     ex, mutation = _pick(gw)
     d = ex.flight.decision
     assert d.prefill in ("p0", "p1") and d.decode in ("d0", "d1")
-    headers = _set_headers(mutation)
+    headers = set_headers_of(mutation)
     primary, fallback = headers[pr.DESTINATION_HEADER].split(",")
     assert primary == f"127.0.0.1:{SIDECARS[d.decode]}"  # the sidecar, not the engine
     other = ({"d0", "d1"} - {d.decode}).pop()
@@ -82,10 +82,10 @@ def test_a_pd_pick_goes_to_the_decode_sidecar_naming_the_prefill_engine() -> Non
     async def answer():  # the sidecar served: the pick's own route, no retry counted
         await ex.handle(
             ext.ProcessingRequest(
-                response_headers=_headers({":status": "200", pr.SERVED_HEADER: primary})
+                response_headers=headers_msg({":status": "200", pr.SERVED_HEADER: primary})
             )
         )
-        await ex.handle(_body(b'{"choices":[{"text":"ok"}]}', True, response=True))
+        await ex.handle(body_msg(b'{"choices":[{"text":"ok"}]}', True, response=True))
 
     asyncio.run(answer())
     assert ex.flight.record.outcome == "completed" and not ex.flight.rebooked
@@ -97,10 +97,10 @@ def test_a_clients_own_prefiller_header_is_removed_or_overwritten() -> None:
     bogus = {PREFILLER_HEADER: "10.9.9.9:1"}
     _, mutation = _pick(colocated_gateway(), bogus)
     assert PREFILLER_HEADER in mutation.remove_headers  # colocated: nobody's header
-    assert PREFILLER_HEADER not in _set_headers(mutation)
+    assert PREFILLER_HEADER not in set_headers_of(mutation)
     ex, mutation = _pick(Gateway(_pd_settings()), bogus)
     prefill = ex.flight.decision.prefill
-    assert _set_headers(mutation)[PREFILLER_HEADER] == f"127.0.0.1:{ENGINES[prefill]}"
+    assert set_headers_of(mutation)[PREFILLER_HEADER] == f"127.0.0.1:{ENGINES[prefill]}"
 
 
 def test_pd_without_sidecars_is_refused_before_it_starts() -> None:
@@ -112,17 +112,17 @@ def test_a_fallback_decode_sidecar_that_served_takes_the_decode_books() -> None:
     gw = Gateway(_pd_settings())
     ex, mutation = _pick(gw)
     planned = ex.flight.decision.decode
-    _, fallback = _set_headers(mutation)[pr.DESTINATION_HEADER].split(",")
+    _, fallback = set_headers_of(mutation)[pr.DESTINATION_HEADER].split(",")
 
     async def answer():  # the planned sidecar was unreachable: Envoy used the other one
         await ex.handle(
             ext.ProcessingRequest(
-                response_headers=_headers({":status": "200", pr.SERVED_HEADER: fallback})
+                response_headers=headers_msg({":status": "200", pr.SERVED_HEADER: fallback})
             )
         )
         moved = ex.flight.decision.decode
         assert ex.flight.request_id in gw.conductor.instances[moved].incoming
-        await ex.handle(_body(b'{"choices":[{"text":"ok"}]}', True, response=True))
+        await ex.handle(body_msg(b'{"choices":[{"text":"ok"}]}', True, response=True))
         return moved
 
     moved = asyncio.run(answer())

@@ -17,7 +17,7 @@ from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
 from gateway.tenants import hash_key
-from tests.gateway.epp.test_exchange import _body, _request_headers, _set_headers
+from tests.gateway.epp.messages import body_msg, request_headers_msg, set_headers_of
 
 KEY = "sk-tenant-a"
 BODY = json.dumps({"prompt": "hello " * 40, "max_tokens": 4}).encode()
@@ -51,8 +51,8 @@ def _gateway() -> Gateway:
 async def _pick(picker: Picker, auth: str | None, rid: str) -> tuple[Exchange, list]:
     ex = Exchange(picker)
     extra = {"x-request-id": rid, **({"authorization": auth} if auth else {})}
-    await ex.handle(_request_headers(extra))
-    return ex, await ex.handle(_body(BODY, True))
+    await ex.handle(request_headers_msg(extra))
+    return ex, await ex.handle(body_msg(BODY, True))
 
 
 def test_a_missing_or_wrong_key_is_a_401_before_anything_is_parsed() -> None:
@@ -64,7 +64,7 @@ def test_a_missing_or_wrong_key_is_a_401_before_anything_is_parsed() -> None:
         imm = out[0].immediate_response
         assert imm.status.code == 401
         assert json.loads(imm.body)["error"]["type"] == "invalid_request_error"
-        assert _set_headers(imm.headers)["x-request-id"] == "r"
+        assert set_headers_of(imm.headers)["x-request-id"] == "r"
 
 
 def test_a_tenant_over_its_rate_is_a_429_and_placed_requests_count_until_they_end() -> None:
@@ -80,11 +80,11 @@ def test_a_tenant_over_its_rate_is_a_429_and_placed_requests_count_until_they_en
 
     gw, picker, placed, third, in_flight = asyncio.run(run())
     for _, out in placed:
-        headers = _set_headers(out[0].request_headers.response.header_mutation)
+        headers = set_headers_of(out[0].request_headers.response.header_mutation)
         assert headers["x-gateway-destination-endpoint"] == "127.0.0.1:41001"
     imm = third[0].immediate_response
     assert imm.status.code == 429
-    headers = _set_headers(imm.headers)
+    headers = set_headers_of(imm.headers)
     assert headers["x-kvgate-reject-reason"] == "tenant_rate_limit"
     assert int(headers["retry-after"]) >= 1
     assert in_flight == 2

@@ -20,11 +20,11 @@ from config.settings import Settings, TracingExporter
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
-from tests.gateway.epp.test_exchange import (
-    _body,
-    _request_headers,
-    _set_headers,
+from tests.gateway.epp.messages import (
+    body_msg,
     colocated_gateway,
+    request_headers_msg,
+    set_headers_of,
 )
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -44,9 +44,9 @@ def test_a_placed_request_is_one_trace_from_the_client_to_the_engine(capsys) -> 
     async def run():
         gw, exporter = _traced()
         ex = Exchange(Picker(gw))
-        await ex.handle(_request_headers({"traceparent": TRACEPARENT}))
+        await ex.handle(request_headers_msg({"traceparent": TRACEPARENT}))
         body = json.dumps({"prompt": "hello " * 20, "max_tokens": 2}).encode()
-        out = await ex.handle(_body(body, True))
+        out = await ex.handle(body_msg(body, True))
         open_spans = [s.name for s in exporter.get_finished_spans()]
         ex.close()  # the stream ends: the request span ends with its outcome
         return out, open_spans, exporter.get_finished_spans()
@@ -60,7 +60,7 @@ def test_a_placed_request_is_one_trace_from_the_client_to_the_engine(capsys) -> 
     assert request.attributes["kvgate.request_id"] == "rid-1"
     assert request.attributes["kvgate.prefill"] in ("a", "b", "c")
     assert request.attributes["kvgate.outcome"] == "client_disconnected"
-    sent = _set_headers(out[0].request_headers.response.header_mutation)
+    sent = set_headers_of(out[0].request_headers.response.header_mutation)
     assert sent["traceparent"].split("-")[1:3] == [CLIENT_TRACE, f"{request.context.span_id:016x}"]
     capsys.readouterr()  # the console exporter's print-out
 
@@ -69,9 +69,9 @@ def test_a_rejection_ends_its_span_at_once(capsys) -> None:
     async def run():
         gw, exporter = _traced()
         ex = Exchange(Picker(gw))
-        await ex.handle(_request_headers({"x-slo-ttft-ms": "50"}))
+        await ex.handle(request_headers_msg({"x-slo-ttft-ms": "50"}))
         body = json.dumps({"prompt": "word " * 4000, "max_tokens": 2}).encode()
-        out = await ex.handle(_body(body, True))
+        out = await ex.handle(body_msg(body, True))
         return out, exporter.get_finished_spans()
 
     out, spans = asyncio.run(run())

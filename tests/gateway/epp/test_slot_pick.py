@@ -20,12 +20,12 @@ from gateway.epp import protocol as pr
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
-from tests.gateway.epp.test_exchange import (
-    _body,
-    _headers,
-    _request_headers,
-    _set_headers,
+from tests.gateway.epp.messages import (
+    body_msg,
     colocated_gateway,
+    headers_msg,
+    request_headers_msg,
+    set_headers_of,
 )
 
 URL = {"l0": "http://127.0.0.1:41501"}
@@ -42,20 +42,20 @@ def _llama_gateway(slots: int = 2) -> Gateway:
 async def _pick(ex: Exchange, prompt: str, duplex: bool = True) -> tuple[bytes, dict[str, str]]:
     """The body Envoy is told to send the engine, and the pick's headers."""
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 2}).encode()
-    await ex.handle(_request_headers(duplex=duplex))
-    out = await ex.handle(_body(body, True))
+    await ex.handle(request_headers_msg(duplex=duplex))
+    out = await ex.handle(body_msg(body, True))
     if not duplex:
         common = out[0].request_body.response
         sent = common.body_mutation.body if common.HasField("body_mutation") else body
-        return sent, _set_headers(common.header_mutation)
+        return sent, set_headers_of(common.header_mutation)
     head, *chunks = out
     pieces = [c.request_body.response.body_mutation.streamed_response.body for c in chunks]
-    return b"".join(pieces), _set_headers(head.request_headers.response.header_mutation)
+    return b"".join(pieces), set_headers_of(head.request_headers.response.header_mutation)
 
 
 async def _finish(ex: Exchange) -> None:
     """The engine answered (headers that end the stream): the books close."""
-    answer = _headers({":status": "200"}, end=True)
+    answer = headers_msg({":status": "200"}, end=True)
     await ex.handle(ext.ProcessingRequest(response_headers=answer))
 
 

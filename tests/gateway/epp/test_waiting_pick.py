@@ -21,11 +21,11 @@ from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
 from routing.instance_books import DecodeWork
-from tests.gateway.epp.test_exchange import (
-    _body,
-    _request_headers,
-    _set_headers,
+from tests.gateway.epp.messages import (
+    body_msg,
     colocated_gateway,
+    request_headers_msg,
+    set_headers_of,
 )
 
 BODY = json.dumps({"prompt": "hello " * 50, "max_tokens": 4}).encode()
@@ -55,8 +55,8 @@ def _decodes_finish(gw: Gateway) -> None:
 async def _held(timeouts: pr.MessageTimeouts) -> tuple[Gateway, Exchange, list]:
     gw = _full_gateway()
     ex = Exchange(Picker(gw, timeouts=timeouts))
-    assert await ex.handle(_request_headers()) == []
-    return gw, ex, await ex.handle(_body(BODY, True))
+    assert await ex.handle(request_headers_msg()) == []
+    return gw, ex, await ex.handle(body_msg(BODY, True))
 
 
 def test_the_pick_waits_with_envoys_timer_extended_and_is_routed_when_a_decode_ends() -> None:
@@ -79,7 +79,7 @@ def test_the_pick_waits_with_envoys_timer_extended_and_is_routed_when_a_decode_e
     gw, ex, asked, out, booked = asyncio.run(run())
     # its wait (90 % of the 10 s TTFT SLO), then the ordinary 2 s for the pick
     assert asked == pytest.approx(9.0 + 2.0, abs=0.05)
-    headers = _set_headers(out[0].request_headers.response.header_mutation)
+    headers = set_headers_of(out[0].request_headers.response.header_mutation)
     assert headers[pr.DESTINATION_HEADER] == "127.0.0.1:41001"
     assert out[-1].request_body.response.body_mutation.streamed_response.body == BODY
     assert booked and not ex.waiting
@@ -97,7 +97,7 @@ def test_a_wait_capped_by_envoys_max_message_timeout_ends_in_the_429() -> None:
     assert asked == pytest.approx(1.05, abs=0.01)  # 50 ms of waiting, then the pick's 1 s
     imm = out[0].immediate_response
     assert imm.status.code == 429
-    assert _set_headers(imm.headers)["x-kvgate-reject-reason"] == "tbt_slo"
+    assert set_headers_of(imm.headers)["x-kvgate-reject-reason"] == "tbt_slo"
     assert "rid-1" not in gw.conductor.decode_queue and gw.conductor.requests == {}
 
 
