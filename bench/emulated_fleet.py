@@ -117,6 +117,17 @@ class EmulatedFleet:
     def start(self) -> None:
         s = self.spec
         s.workdir.mkdir(parents=True, exist_ok=True)
+        self.engine_urls = self._start_engines()
+        config = s.workdir / "gateway.toml"
+        config.write_text(self._config(self.engine_urls))
+        self.gateway = self._spawn(
+            "gateway", "serve", "--config", str(config), "--log-level", "warning"
+        )
+        wait_healthy(f"{self.url}/health", self.gateway, s.start_timeout_s)
+
+    def _start_engines(self) -> dict[str, str]:
+        """Start the engines, wait until they answer; their base URLs by instance id."""
+        s = self.spec
         urls: dict[str, str] = {}
         for k, (iid, role) in enumerate(self._engine_ids(), start=1):
             port = s.base_port + k
@@ -133,15 +144,9 @@ class EmulatedFleet:
                 str(s.time_scale),
             )
             urls[iid] = f"http://127.0.0.1:{port}"
-        self.engine_urls = urls
         for iid, url in urls.items():
             wait_healthy(f"{url}/health", self.engines[iid], s.start_timeout_s)
-        config = s.workdir / "gateway.toml"
-        config.write_text(self._config(urls))
-        self.gateway = self._spawn(
-            "gateway", "serve", "--config", str(config), "--log-level", "warning"
-        )
-        wait_healthy(f"{self.url}/health", self.gateway, s.start_timeout_s)
+        return urls
 
     def _config(self, urls: dict[str, str]) -> str:
         s = self.spec

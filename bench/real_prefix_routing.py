@@ -229,6 +229,7 @@ def gateway_config(
     extra: str,
     model_dir: str | None,
     refit_interval_s: float = 0.0,
+    admission: str = "none",
 ) -> str:
     lines = [
         "[server]",
@@ -240,7 +241,7 @@ def gateway_config(
         f'policy = "{policy}"',
         *([f'model_dir = "{model_dir}"'] if model_dir else []),
         "[admission]",
-        'mode = "none"',
+        f'mode = "{admission}"',
         "[replication]",
         "enabled = false",
         extra,

@@ -38,7 +38,7 @@ import aiohttp
 from bench.emulated_fleet import EmulatedFleet, FleetSpec
 from bench.kvgate_serve import end_children_on_sigterm
 from bench.overload_report import Phase, PhaseRun, phase_summary
-from bench.overload_soak import DRAIN_S, MAX_PENDING, phase_trace
+from bench.phase_load import DRAIN_S, MAX_PENDING, finish_or_cancel, phase_trace
 from config.tenant_keys import hash_key
 from replay.live.loadgen import LoadOptions, prompt_ids, send_one
 from replay.report.results import Outcome, RequestOutcome
@@ -123,11 +123,7 @@ async def drive(fleet: EmulatedFleet, loads: dict[str, list[TraceRequest]], args
             task = asyncio.create_task(coro)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        if tasks:
-            _, late = await asyncio.wait(set(tasks), timeout=DRAIN_S + opts.timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        await finish_or_cancel(tasks, DRAIN_S + opts.timeout_s)
     finally:
         for s in sessions:
             await s.close()

@@ -190,6 +190,7 @@ def _check_predictors(c: Checker, p: PredictorSettings) -> None:
     c.at_least("predictors.output_length_history", p.output_length_history, 1)
     c.fraction("predictors.output_length_quantile", p.output_length_quantile)
     c.at_least("predictors.default_output_tokens", p.default_output_tokens, 1)
+    c.fraction("predictors.queue_scale_rate", p.queue_scale_rate)
 
 
 def _check_replication(c: Checker, r: ReplicationSettings) -> None:

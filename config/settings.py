@@ -211,6 +211,9 @@ class PredictorSettings:
     output_length_history: int = 64
     output_length_quantile: float = 0.5
     default_output_tokens: int = 256
+    # Learn each colocated instance's queue-wait error from its answers (predictors/
+    # queue_scale.py): the weight of one answer; 0 = trust the books as they are.
+    queue_scale_rate: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +225,9 @@ class InstanceSettings:
     profile: str | None = None  # None = predictors.profile
     capacity_tokens: int | None = None  # GPU KV capacity; None = the profile's
     host_capacity_tokens: int = 0  # HiCache-style host tier; 0 = none
-    max_batch: int = 256
+    # Most sequences the engine runs at once (llama.cpp slots, vLLM max_num_seqs); None = what
+    # llama.cpp's /slots says, else the profile's (a measured profile has the engine's own).
+    max_batch: int | None = None
     bootstrap_port: int | None = None  # SGLang P/D
     # The engine's own --kv-events-config endpoint: tcp://*:5557 (the engine binds; kvgate
     # connects to the url's host), ipc:///path.sock, or tcp://host:5557 (the engine connects;

@@ -1,4 +1,6 @@
-"""Learning from what the gateway observes: prediction accuracy and prefill-model refits.
+"""Learning from what the gateway observes: prediction accuracy, prefill-model refits and
+each colocated instance's queue-wait correction (predictors/queue_scale.py, from every answer
+whose predicted wait mattered; the Conductor's books then scale their waits by it).
 
 Observed prefill durations (when the instance had no queue, so the time is the prefill itself)
 are collected per profile; every ``refit_interval_s`` a refit runs in a worker thread (never on
@@ -23,6 +25,7 @@ import numpy as np
 from predictors.fitting import fit_p5
 from predictors.prefill import AnalyticPrefill
 from predictors.profiles import PrefillCoeffs
+from predictors.queue_scale import QueueScale
 from predictors.samples import PrefillSamples
 from routing.conductor import Conductor
 from routing.types import Decision
@@ -86,9 +89,11 @@ class Learner:
         min_new_samples: int = 20,
         window: int = 4000,
         prior: Mapping[str | None, PrefillSamples] | None = None,
+        queue_scale_rate: float = 0.0,
     ) -> None:
         """``prior``: per profile key (as ``observe_prefill`` gets it), samples a refit starts
-        from: a measured profile's sweep."""
+        from: a measured profile's sweep. ``queue_scale_rate``: how fast each colocated
+        instance's queue-wait correction follows its answers (0: never)."""
         self.conductor = conductor
         self.decisions: deque[DecisionRecord] = deque(maxlen=recent)
         self._by_id: dict[str, DecisionRecord] = {}
@@ -98,6 +103,8 @@ class Learner:
         self._prior = dict(prior or {})
         self._samples: dict[str | None, _Samples] = {}
         self._used: dict[str | None, int] = {}  # observations seen by the last refit, per key
+        self.queue_scale_rate = queue_scale_rate
+        self.queue_scales: dict[str, QueueScale] = {}  # per instance
         self.refits = 0
         self.last_refit_mape_pct: float | None = None
         self.last_refit_kind: str | None = None
@@ -137,6 +144,10 @@ class Learner:
             "last_refit_holdout_mape_pct": self.last_refit_mape_pct,
             "refit_min_new_samples": self.min_new_samples,
             "prior_samples": {str(k): len(v) for k, v in self._prior.items()},
+            "queue_scales": {
+                k: {"scale": round(q.scale, 3), "samples": q.samples}
+                for k, q in sorted(self.queue_scales.items())
+            },
         }
 
     # ---- prefill samples and refits ----
@@ -164,9 +175,22 @@ class Learner:
             self.observe_prefill(
                 profile, d.prompt_tokens - d.cached_tokens, d.cached_tokens, observed
             )
+        elif d.prefill == d.decode and self.queue_scale_rate > 0:
+            self._observe_queue(d, observed)
         if d.predicted_ttft_s > 0:
             return (observed - d.predicted_ttft_s) / d.predicted_ttft_s
         return None
+
+    def _observe_queue(self, d: Decision, observed_ttft_s: float) -> None:
+        """A colocated request's first token came after its wait and its prefill (P/D adds a
+        transfer and a join the books do not predict): the wait, as the prefill model sees
+        it, corrects the instance's queue scale."""
+        q = self.queue_scales.get(d.prefill)
+        if q is None:
+            q = self.queue_scales[d.prefill] = QueueScale(self.queue_scale_rate)
+        waited = observed_ttft_s - d.predicted_prefill_s - d.predicted_load_s
+        if q.observe(d.predicted_queue_s, d.predicted_ttft_s, waited):
+            self.conductor.set_queue_scale(d.prefill, q.scale)
 
     def training_set(self, profile: str | None) -> PrefillSamples | None:
         """Prior + observations for ``profile`` when a refit is due, else None."""

@@ -70,7 +70,14 @@ class GatewayMetrics:
         )
         self.queue = Gauge(
             "kvgate_instance_queue_seconds",
-            "Predicted prefill queue per instance",
+            "Predicted wait of a new prefill per instance (booked prefills; on a full colocated "
+            "engine, until a sequence leaves; times the learned queue scale)",
+            ["instance"],
+            registry=r,
+        )
+        self.queue_scale = Gauge(
+            "kvgate_instance_queue_scale",
+            "Learned factor on the books' queue waits per instance (1 = as booked)",
             ["instance"],
             registry=r,
         )

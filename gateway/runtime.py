@@ -80,6 +80,7 @@ class Gateway:
             min_new_samples=settings.server.refit_min_new_samples,
             window=settings.server.refit_window,
             prior=self.measured_profiles.prior(),  # refits continue from the sweeps
+            queue_scale_rate=settings.predictors.queue_scale_rate,
         )
         # kvgate_pool_instances_needed: demand read each scrape round (gateway/capacity_loop.py)
         self.capacity = CapacitySignal(
@@ -335,8 +336,8 @@ class Gateway:
                 await asyncio.wait_for(self._stop.wait(), interval)
 
     def _apply_loads(self, loads: dict[str, EngineLoad | None]) -> None:
-        """What the engines' own metrics say: understood or not, and their KV capacity (it
-        replaces the predictor profile's unless the config names one)."""
+        """What the engines' own metrics say: understood or not, their KV capacity and llama.cpp's
+        slot count (each replaces the predictor profile's unless the config names one)."""
         for iid, load in loads.items():
             if load is None:
                 continue
@@ -345,6 +346,8 @@ class Gateway:
             capacity = load.capacity_tokens
             if load.slots and self.settings.routing.llamacpp_slot_affinity:
                 self.slot_book.set_slots(iid, load.slots)
+            if load.slots and spec is not None and spec.max_batch is None:
+                self.conductor.set_max_batch(iid, load.slots)
             if capacity and spec is not None and spec.capacity_tokens is None:
                 self.conductor.set_capacity(iid, capacity)
 
@@ -352,6 +355,7 @@ class Gateway:
         now = self.clock()
         for inst in self.conductor.instances.values():
             self.metrics.queue.labels(inst.id).set(inst.queue_time(now))
+            self.metrics.queue_scale.labels(inst.id).set(inst.queue_scale)
             self.metrics.batch.labels(inst.id).set(inst.batch)
         for model, control in self.conductor.admission.tbt_headroom.items():
             self.metrics.tbt_headroom_share.labels(model or "").set(control.share)

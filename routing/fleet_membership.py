@@ -50,7 +50,7 @@ class FleetMembership:
             role=spec.role,
             predictors=preds,
             capacity_tokens=capacity,
-            max_batch=spec.max_batch,
+            max_batch=spec.max_batch or preds.profile.max_batch,
             bit_order=self._order,
             model=spec.model,
             decode_after_prefill=spec.protocol is not PDProtocol.SGLANG,
@@ -69,6 +69,18 @@ class FleetMembership:
     def drain_instance(self, instance_id: str, draining: bool = True) -> None:
         self.instances[instance_id].draining = draining
         self._refresh_pools()
+
+    def set_max_batch(self, instance_id: str, max_batch: int) -> None:
+        """The engine said how many sequences it runs at once (llama.cpp's slots)."""
+        inst = self.instances.get(instance_id)
+        if inst is not None and max_batch > 0:
+            inst.max_batch = max_batch
+
+    def set_queue_scale(self, instance_id: str, scale: float) -> None:
+        """What the answers say the booked queue waits really take, as a factor."""
+        inst = self.instances.get(instance_id)
+        if inst is not None and scale > 0:
+            inst.queue_scale = scale
 
     def set_health(self, instance_id: str, healthy: bool) -> None:
         inst = self.instances.get(instance_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 
 from config.settings import Role
 from predictors.bundle import InstancePredictors
@@ -118,6 +119,7 @@ class InstanceState:
     prefill_queue: dict[str, PrefillWork] = field(default_factory=dict)
     busy_until_s: float = 0.0
     queued_tokens: int = 0
+    queue_scale: float = 1.0  # learned from answers (predictors/queue_scale.py); 1 = as booked
     incoming: dict[str, DecodeWork] = field(default_factory=dict)
     incoming_tokens: int = 0  # prompt tokens of the requests heading here
     _committed: float | None = None  # committed_tbt(0) once asked for; None after a change
@@ -156,8 +158,38 @@ class InstanceState:
 
     # ---- prefill queue (FCFS) ----
     def queue_time(self, now: float) -> float:
+        """How long a new prefill would wait here: for the prefills booked before it and, on a
+        colocated engine whose sequences are all taken (llama.cpp's ``-np`` slots, vLLM's
+        ``max_num_seqs``), until a sequence leaves: there each request holds its place through
+        its decode, so a prefill-only queue calls a full engine idle. Times the instance's
+        learned ``queue_scale``."""
         t = self.busy_until_s - now
-        return t if t > 0.0 else 0.0
+        if self.role is Role.BOTH and self.batch + len(self.incoming) >= self.max_batch:
+            free = self._sequence_free_s(now) - now
+            if free > t:
+                t = free
+        return t * self.queue_scale if t > 0.0 else 0.0
+
+    def _sequence_free_s(self, now: float) -> float:
+        """When a place frees for a newcomer: running decodes leave at their predicted finish;
+        the requests booked but not decoding yet take the places that free first, in dispatch
+        order, and hold them through their prefill and their decode. Steps take the TBT of
+        a full engine: everything here decoding together."""
+        clock = self.step_clock(now)
+        tbt = self.predictors.decode.step_time(
+            min(self.max_batch, self.batch + len(self.incoming)),
+            self.context_tokens + self.incoming_tokens,
+        )
+        leave = sorted(now + max(w.finish_step - clock, 0.0) * tbt for w in self.running.values())
+        free = leave[: self.max_batch] + [now] * (self.max_batch - len(leave))
+        heapify(free)
+        for rid, work in self.incoming.items():
+            start = heappop(free)
+            pre = self.prefill_queue.get(rid)
+            if pre is not None:
+                start = max(start, pre.est_start_s) + pre.duration_s
+            heappush(free, start + work.expected_remaining() * tbt)
+        return free[0]
 
     def enqueue_prefill(
         self, request_id: str, duration_s: float, prompt_tokens: int, now: float, ready_s: float

@@ -84,7 +84,7 @@ def build_engines(settings: Settings, fleet: FleetSpec) -> dict[str, Engine]:
             spec.role,
             timing,
             cache=cache,
-            max_batch=spec.max_batch,
+            max_batch=spec.max_batch or profile.max_batch,
             kv_capacity_tokens=profile.kv_capacity_tokens,
             chunk_tokens=fleet.chunk_tokens
             if spec.role is not Role.BOTH

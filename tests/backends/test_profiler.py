@@ -145,6 +145,15 @@ def test_decode_samples_count_tokens_from_usage_when_chunks_merge() -> None:
     assert sample.seconds == pytest.approx(0.09 / 18)
 
 
+def test_a_stream_read_in_one_burst_is_no_decode_sample() -> None:
+    # 32 tokens whose chunks were all read within 0.2 ms: a flushed backlog, not 7 us steps.
+    burst = tuple(0.5 + 6e-6 * i for i in range(32))
+    paced = tuple(0.5 + 0.002 * i for i in range(32))
+    assert decode_samples([_Timing(burst, None, None, completion_tokens=32)], 100) == []
+    (sample,) = decode_samples([_Timing(paced, None, None, completion_tokens=32)], 100)
+    assert sample.seconds == pytest.approx(0.002)
+
+
 def test_profiler_raises_when_engine_unreachable() -> None:
     async def main() -> None:
         async with aiohttp.ClientSession() as session:

@@ -10,7 +10,8 @@ import pytest
 
 from bench.emulated_fleet import EmulatedFleet, rss_kb
 from bench.overload_report import Phase, PhaseRun, Sample, kv_index_flat, rss_growth
-from bench.overload_soak import fleet_spec, parse_args, phase_trace, run_mode
+from bench.overload_soak import fleet_spec, parse_args, run_mode
+from bench.phase_load import phase_trace
 
 BASE_PORT = 18580  # h4's range: the real runs use 18500-18549, the dev smoke runs 18550
 TINY = ["--input-tokens", "256", "--output-tokens", "4", "--rate-1x", "3", "--sample-s", "0.5"]

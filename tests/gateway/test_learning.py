@@ -9,11 +9,12 @@ import pytest
 
 from backends.profile_file import write_profile_file
 from config.loader import settings_from_dict
-from gateway.learning import Learner
+from gateway.learning import DecisionRecord, Learner
 from gateway.runtime import Gateway
 from predictors.calibration import SweepSample, fit_profile
 from predictors.prefill import AnalyticPrefill
 from routing.conductor import Conductor
+from routing.types import Decision
 
 
 def true_ms(n: int, c: int) -> float:
@@ -135,3 +136,53 @@ def test_gateway_uses_the_measured_profile_file(tmp_path: Path) -> None:
         assert inst.predictors.prefill.predict(1000, 0) == pytest.approx(expected)
         assert inst.capacity_tokens == cal.profile.kv_capacity_tokens
     assert gw.learner.accuracy()["prior_samples"] == {"None": 8, "mine": 8}
+
+
+def _decision(**over: object) -> Decision:
+    """A decision as the Conductor makes one for a colocated request, fields overridden."""
+    fields: dict[str, object] = {
+        "request_id": "r1",
+        "prefill": "e0",
+        "decode": "e0",
+        "predicted_ttft_s": 0.6,
+        "predicted_tbt_s": 0.01,
+        "predicted_queue_s": 0.5,
+        "predicted_prefill_s": 0.1,
+        "predicted_transfer_s": 0.0,
+        "predicted_load_s": 0.0,
+        "predicted_output_tokens": 16,
+        "cached_tokens": 0,
+        "prompt_tokens": 1000,
+        "policy": "kvcache_centric",
+        "reason": "no_prefix",
+        "priority": "normal",
+        "slo_ttft_s": 1.0,
+        "slo_tbt_s": 0.1,
+    }
+    return Decision(**(fields | over))  # type: ignore[arg-type]
+
+
+def test_answers_correct_a_colocated_instances_queue_waits() -> None:
+    conductor = Conductor(settings())
+    learner = Learner(conductor, 100, 200, queue_scale_rate=0.2)
+    for i in range(40):  # every request waited 1.5x what the books said
+        scale = conductor.instances["e0"].queue_scale
+        d = _decision(request_id=f"r{i}", predicted_queue_s=0.5 * scale)
+        rec = DecisionRecord.of(d.request_id, 0.0, d)
+        rec.observed_ttft_s = 0.75 + 0.1
+        learner.observe_answer(d, rec, None)
+    assert conductor.instances["e0"].queue_scale == pytest.approx(1.5, rel=0.01)
+    assert conductor.instances["e1"].queue_scale == 1.0  # only the instance that answered
+    assert learner.accuracy()["queue_scales"] == {"e0": {"scale": 1.5, "samples": 40}}
+
+
+def test_disaggregated_answers_and_a_zero_rate_leave_the_books_alone() -> None:
+    for learner_rate, decode in ((0.2, "e1"), (0.0, "e0")):
+        conductor = Conductor(settings())
+        learner = Learner(conductor, 100, 200, queue_scale_rate=learner_rate)
+        d = _decision(decode=decode)
+        rec = DecisionRecord.of(d.request_id, 0.0, d)
+        rec.observed_ttft_s = 5.0
+        learner.observe_answer(d, rec, None)
+        assert conductor.instances["e0"].queue_scale == 1.0
+        assert learner.accuracy()["queue_scales"] == {}

@@ -38,6 +38,19 @@ def test_slots_from_metrics_enable_pinning_and_capacity_replaces_the_profile() -
     assert gw.slot_book.held == 0
 
 
+def test_slots_bound_the_sequences_unless_the_config_names_a_max_batch() -> None:
+    gw = _gateway()
+    profile_max = gw.conductor.instances["l0"].max_batch
+    assert profile_max == gw.conductor.instances["l0"].predictors.profile.max_batch
+    gw._apply_loads({"l0": _load(2)})
+    assert gw.conductor.instances["l0"].max_batch == 2  # llama-server -np 2
+    base = Settings()
+    inst = InstanceSettings("l0", "http://127.0.0.1:1", Role.BOTH, max_batch=5)
+    named = Gateway(replace(base, pools=(PoolSettings("llama", Role.BOTH, (inst,)),)))
+    named._apply_loads({"l0": _load(2)})
+    assert named.conductor.instances["l0"].max_batch == 5
+
+
 def test_affinity_off_leaves_slot_choice_to_the_engine() -> None:
     gw = _gateway(affinity=False)
     gw._apply_loads({"l0": _load(2)})

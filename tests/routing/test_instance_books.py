@@ -64,3 +64,49 @@ def test_kv_capacity_accounting() -> None:
     assert not i.kv_fits(20_000)
     assert i.kv_fits(10_000)
     assert i.clear_work() == ["a"] and i.reserved_tokens == 0
+
+
+def _colocated(max_batch: int) -> InstanceState:
+    preds = build_instance_predictors(PredictorSettings(), "llama3-8b-h100-tp1")
+    return InstanceState("c", Role.BOTH, preds, capacity_tokens=100_000, max_batch=max_batch)
+
+
+def _book(i: InstanceState, rid: str, prefill_s: float, output: int, now: float) -> None:
+    """As the Conductor books a colocated request: its prefill here, its decode heading here."""
+    i.enqueue_prefill(rid, prefill_s, 100, now=now, ready_s=now)
+    i.add_incoming(DecodeWork(rid, 100, output, now))
+
+
+def test_a_full_colocated_engine_queues_until_a_sequence_leaves() -> None:
+    i = _colocated(max_batch=2)  # llama-server -np 2
+    for rid in ("a", "b"):
+        _book(i, rid, 0.1, 50, 0.0)
+        i.finish_prefill(rid, 0.1)
+        i.start_decode(rid, 0.1)
+    tbt = i.tbt_now()  # both decoding: the engine is full
+    # Prefills are done, both places decode for 50 steps: a prefill-only queue says 0.
+    assert i.busy_until_s <= 0.1
+    assert i.queue_time(0.1) == pytest.approx(50 * tbt)
+    i.add_tokens("a", 40, 0.1 + 40 * tbt)  # a is near its end: the first place frees sooner
+    assert i.queue_time(0.1 + 40 * tbt) == pytest.approx(10 * i.tbt_now(), rel=0.01)
+    i.remove_decode("a", 0.2 + 50 * tbt)
+    assert i.queue_time(0.2 + 50 * tbt) == 0.0  # a place is free
+
+
+def test_booked_requests_take_the_places_that_free_first() -> None:
+    i = _colocated(max_batch=1)
+    _book(i, "a", 0.5, 10, 0.0)  # holds the only place: prefill 0.5 s, then 10 tokens
+    _book(i, "b", 0.5, 10, 0.0)  # waits for it
+    tbt = i.predictors.decode.step_time(1, 200)  # one sequence decodes at a time
+    a_leaves = 0.5 + 10 * tbt
+    assert i.queue_time(0.0) == pytest.approx(a_leaves + 0.5 + 10 * tbt)  # after b leaves too
+
+
+def test_roomy_or_disaggregated_engines_keep_the_prefill_queue() -> None:
+    roomy = _colocated(max_batch=8)
+    _book(roomy, "a", 0.5, 1000, 0.0)
+    assert roomy.queue_time(0.0) == pytest.approx(0.5)
+    prefill = InstanceState("p", Role.PREFILL, roomy.predictors, 100_000, max_batch=1)
+    prefill.enqueue_prefill("a", 0.5, 100, now=0.0, ready_s=0.0)
+    prefill.enqueue_prefill("b", 0.5, 100, now=0.0, ready_s=0.0)
+    assert prefill.queue_time(0.0) == pytest.approx(1.0)  # its sequences leave for decode
