@@ -211,7 +211,8 @@ class EmulatedFleet:
     def gateway_cpu_s(self) -> float | None:
         return cpu_s(self.gateway_pid)
 
-    def _admin(self, path: str, timeout_s: float = 5.0) -> Any:
+    def admin(self, path: str, timeout_s: float = 5.0) -> Any:
+        """GET an admin API path (with the fleet's token) as JSON. Blocking."""
         req = urllib.request.Request(
             self.url + path, headers={"Authorization": f"Bearer {self.token}"}
         )
@@ -220,9 +221,9 @@ class EmulatedFleet:
 
     def books(self) -> Books:
         """Blocking (call it from a thread inside an event loop)."""
-        state = self._admin("/admin/state")
-        history = self._admin(f"/admin/decisions?limit={10 * self.spec.recent_decisions}")
-        learner = self._admin("/admin/predictors")
+        state = self.admin("/admin/state")
+        history = self.admin(f"/admin/decisions?limit={10 * self.spec.recent_decisions}")
+        learner = self.admin("/admin/predictors")
         return Books(
             requests_in_flight=int(state["requests_in_flight"]),
             kv_index_blocks=int(state["cache_view_blocks"]),

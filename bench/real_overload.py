@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ class RealEngineFleet(EmulatedFleet):
             self.real = []
 
 
-def token_ids(vocab_size: int):
+def token_ids(vocab_size: int) -> Callable[[TraceRequest], list[int]]:
     """Prompt token ids for a request, folded into [FIRST_TOKEN_ID, vocab_size): any model."""
     span = vocab_size - FIRST_TOKEN_ID
 
@@ -103,7 +104,9 @@ def measure_profile(args: argparse.Namespace, workdir: Path) -> Path:
     try:
         argv = [sys.executable, "-c", KVGATE_MAIN, "profile", "--target", engine.url]
         argv += ["--model", engine.model, "--out", str(out), "--quiet"]
-        argv += ["--max-prompt-tokens", str(4 * args.input_tokens)]
+        # 4x the mean prompt covers the lognormal's tail; 3072 keeps below a llama-server
+        # slot's context (-c 8192 over -np 2): the profile's own default
+        argv += ["--max-prompt-tokens", str(min(4 * args.input_tokens, 3072))]
         argv += ["--max-seconds", str(args.profile_seconds), "--vocab-size", str(args.vocab_size)]
         subprocess.run(argv, check=True, timeout=args.profile_seconds + 120)
     finally:
@@ -141,7 +144,9 @@ async def _phases(
     return out
 
 
-def run_mode(args: argparse.Namespace, mode: str, rate: float, workdir: Path, profile: Path | None):
+def run_mode(
+    args: argparse.Namespace, mode: str, rate: float, workdir: Path, profile: Path | None
+) -> dict[str, Any]:
     """One admission mode: fresh engines and gateway, 1x then ``--factor`` x."""
     phases = [
         Phase("1x", rate, args.seconds),
@@ -150,8 +155,8 @@ def run_mode(args: argparse.Namespace, mode: str, rate: float, workdir: Path, pr
     workdir.mkdir(parents=True, exist_ok=True)
     with RealEngineFleet(spec_for(args, workdir, mode), args, profile) as fleet:
         summaries = asyncio.run(_phases(fleet, phases, args))
-        predictors = fleet._admin("/admin/predictors")
-        decisions = fleet._admin(f"/admin/decisions?limit={fleet.spec.recent_decisions}")
+        predictors = fleet.admin("/admin/predictors")
+        decisions = fleet.admin(f"/admin/decisions?limit={fleet.spec.recent_decisions}")
         books = fleet.settled_books().as_dict()
         tracebacks = fleet.log_tracebacks()
     one, over = summaries
@@ -179,7 +184,10 @@ def ttft_error(decisions: list[dict[str, Any]]) -> dict[str, Any]:
     )
     if not errors:
         return {"n": 0}
-    pick = lambda q: round(errors[min(len(errors) - 1, int(q * len(errors)))], 3)  # noqa: E731
+
+    def pick(q: float) -> float:
+        return round(errors[min(len(errors) - 1, int(q * len(errors)))], 3)
+
     return {"n": len(errors), "p10": pick(0.1), "median": pick(0.5), "p90": pick(0.9)}
 
 
@@ -256,6 +264,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _say(msg: str) -> None:
+    print(f"[real_overload] {msg}", file=sys.stderr, flush=True)
+
+
 def _brief(run: dict[str, Any]) -> str:
     cells = []
     for s in run["phases"]:
@@ -271,28 +283,27 @@ def main(argv: list[str] | None = None) -> int:
     end_children_on_sigterm()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvgate-real-overload-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    say = lambda msg: print(f"[real_overload] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if args.profile:
         profile = Path(args.profile).resolve()
     else:
-        say(f"measuring a profile of {args.engine} (kvgate profile, <= {args.profile_seconds:g} s)")
+        _say(f"profiling {args.engine} (kvgate profile, <= {args.profile_seconds:g} s)")
         profile = measure_profile(args, workdir)
     rate, ladder = args.rate_1x, None
     if rate is None:
-        say("probing capacity (admission none: what the engines serve within the SLOs)")
+        _say("probing capacity (admission none: what the engines serve within the SLOs)")
         probe_dir = workdir / "probe"
         probe_dir.mkdir(exist_ok=True)
         with RealEngineFleet(spec_for(args, probe_dir, "none"), args, profile) as fleet:
             rate, ladder = asyncio.run(_probe(fleet, args))
-        say(f"capacity 1x = {rate:g} req/s")
+        _say(f"capacity 1x = {rate:g} req/s")
     runs = []
     for rnd, order in enumerate(round_orders(args.mode_list, args.rounds)):
         for mode in order:
-            say(
+            _say(
                 f"round {rnd + 1}: admission {mode} ({args.factor:g}x = {args.factor * rate:g} r/s)"
             )
             res = {"round": rnd, **run_mode(args, mode, rate, workdir / f"r{rnd}-{mode}", profile)}
-            say(_brief(res))
+            _say(_brief(res))
             runs.append(res)
     report: dict[str, Any] = {
         "engine": args.engine,

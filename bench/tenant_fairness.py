@@ -69,7 +69,7 @@ class TenantFleet(EmulatedFleet):
 
     def tenants(self) -> dict[str, Any]:
         """GET /admin/tenants (blocking: call it from a thread inside an event loop)."""
-        return self._admin("/admin/tenants")
+        return self.admin("/admin/tenants")
 
 
 def tenant_trace(
