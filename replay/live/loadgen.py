@@ -159,6 +159,15 @@ async def run_load(
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_KEEPALIVE_S)
     start = time.perf_counter()
     done = 0
+
+    def finished(_: asyncio.Task[None]) -> None:
+        # As each answer ends, while later requests are still to be sent: counting only after
+        # the last send left a run's progress silent until its arrivals were over.
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, len(trace))
+
     async with aiohttp.ClientSession(connector=connector) as session:
         tasks = []
         for tr, out in zip(trace, outcomes, strict=True):
@@ -166,12 +175,10 @@ async def run_load(
             delay = tr.arrival_s * opts.time_scale - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send_one(session, tr, ids, opts, start, out)))
-        for fut in asyncio.as_completed(tasks):
-            await fut
-            done += 1
-            if progress is not None:
-                progress(done, len(tasks))
+            task = asyncio.create_task(send_one(session, tr, ids, opts, start, out))
+            task.add_done_callback(finished)
+            tasks.append(task)
+        await asyncio.gather(*tasks)
     result.requests = outcomes
     result.wall_s = time.perf_counter() - start
     return result
