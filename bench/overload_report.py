@@ -73,11 +73,14 @@ def phase_summary(run: PhaseRun, k: int, args: argparse.Namespace) -> dict[str, 
     s = summarize(rr)
     keep = (
         "requests",
+        "admitted",
         "completed",
         "rejected",
         "rejected_after_prefill",
         "failed",
         "slo_met",
+        "admitted_slo_miss_ratio",  # admitted, then missed the SLOs: a promise not kept
+        "promised_slo_miss_ratio",  # the same, best-effort admissions (no promise) left out
         "slo_attainment",
         "goodput_rps",
         "throughput_rps",

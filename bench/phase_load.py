@@ -70,6 +70,20 @@ async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
     return True
 
 
+async def send_at(
+    arrival_s: float, t0: float, tasks: set[asyncio.Task[None]], run: PhaseRun
+) -> bool:
+    """Sleep until ``arrival_s`` (seconds after ``t0``); False, the run marked cut short, when
+    ``MAX_PENDING`` client requests are open already."""
+    delay = arrival_s - (time.perf_counter() - t0)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    if len(tasks) >= MAX_PENDING:
+        run.cut_short = True
+        return False
+    return True
+
+
 async def finish_or_cancel(tasks: set[asyncio.Task[None]], timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for the open client requests; cancel the rest."""
     if tasks:
@@ -183,19 +197,14 @@ async def drive(
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for k, tr in trace:
-                delay = tr.arrival_s - (time.perf_counter() - t0)
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if len(tasks) >= MAX_PENDING:
-                    run.cut_short = True
+                if not await send_at(tr.arrival_s, t0, tasks, run):
                     break
                 out = RequestOutcome(
                     f"r{tr.index}", tr.arrival_s, tr.input_length, tr.output_length
                 )
                 run.outcomes[k].append(out)
-                task = asyncio.create_task(
-                    _timed(session, tr, opts, t0, out, run.reject_ms[k], encode)
-                )
+                coro = _timed(session, tr, opts, t0, out, run.reject_ms[k], encode)
+                task = asyncio.create_task(coro)
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             await finish_or_cancel(tasks, DRAIN_S + opts.timeout_s)

@@ -133,15 +133,7 @@ async def _phases(
     fleet: RealEngineFleet, phases: list[Phase], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     run = await drive(fleet, phases, args, encode=token_ids(args.vocab_size), model=fleet.model)
-    out = []
-    for k in range(len(phases)):
-        s = phase_summary(run, k, args)
-        admitted = (s["completed"] or 0) + (s["failed"] or 0)
-        missed = admitted - (s["slo_met"] or 0)
-        s["admitted_missed_slo"] = missed
-        s["admitted_missed_ratio"] = round(missed / admitted, 4) if admitted else None
-        out.append(s)
-    return out
+    return [phase_summary(run, k, args) for k in range(len(phases))]
 
 
 def run_mode(
@@ -273,7 +265,8 @@ def _brief(run: dict[str, Any]) -> str:
     for s in run["phases"]:
         cells.append(
             f"{s['phase']}: goodput {s['goodput_rps']} r/s, attainment {s['slo_attainment']}, "
-            f"rejected {s['rejected']}, admitted-missed {s['admitted_missed_slo']}"
+            f"rejected {s['rejected']}, admitted {s['admitted']} of which missed "
+            f"{s['admitted_slo_miss_ratio']}"
         )
     return f"{run['admission']}: " + "; ".join(cells)
 

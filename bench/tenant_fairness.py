@@ -38,7 +38,7 @@ import aiohttp
 from bench.emulated_fleet import EmulatedFleet, FleetSpec
 from bench.kvgate_serve import end_children_on_sigterm
 from bench.overload_report import Phase, PhaseRun, phase_summary
-from bench.phase_load import DRAIN_S, MAX_PENDING, finish_or_cancel, phase_trace
+from bench.phase_load import DRAIN_S, finish_or_cancel, phase_trace, send_at
 from config.tenant_keys import hash_key
 from replay.live.loadgen import LoadOptions, prompt_ids, send_one
 from replay.report.results import Outcome, RequestOutcome
@@ -109,11 +109,7 @@ async def drive(fleet: EmulatedFleet, loads: dict[str, list[TraceRequest]], args
     try:
         t0 = time.perf_counter()
         for arrival, k, tr in merged:
-            delay = arrival - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if len(tasks) >= MAX_PENDING:
-                run.cut_short = True
+            if not await send_at(arrival, t0, tasks, run):
                 break
             out = RequestOutcome(
                 f"{names[k]}{tr.index}", arrival, tr.input_length, tr.output_length
