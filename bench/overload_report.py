@@ -96,6 +96,10 @@ def phase_summary(run: PhaseRun, k: int, args: argparse.Namespace) -> dict[str, 
         if r.outcome is Outcome.FAILED:
             failures[r.reason[:80]] = failures.get(r.reason[:80], 0) + 1
     out["failures_by_reason"] = failures
+    # Which promise broke: completed requests over each SLO (one may break both).
+    done = [r for r in run.outcomes[k] if r.outcome is Outcome.COMPLETED]
+    out["completed_over_ttft_slo"] = sum(r.ttft_s is None or r.ttft_s > args.ttft_slo for r in done)
+    out["completed_over_tbt_slo"] = sum((r.tbt_mean_s or 0.0) > args.tbt_slo for r in done)
     rej = run.reject_ms[k]
     out["reject_ms"] = {
         "n": len(rej),

@@ -149,6 +149,7 @@ def run_mode(
         summaries = asyncio.run(_phases(fleet, phases, args))
         predictors = fleet.admin("/admin/predictors")
         decisions = fleet.admin(f"/admin/decisions?limit={fleet.spec.recent_decisions}")
+        state = fleet.admin("/admin/state")
         books = fleet.settled_books().as_dict()
         tracebacks = fleet.log_tracebacks()
     one, over = summaries
@@ -159,7 +160,9 @@ def run_mode(
         "goodput_ratio_over_1x": round(g2 / g1, 3) if g1 else None,
         "gateway_ttft_mape_pct": predictors.get("ttft_mape_pct"),
         "queue_scales": predictors.get("queue_scales"),
+        "wait_margin": state.get("wait_margin"),  # routing/wait_margin.py, per model
         "ttft_error_last_decisions": ttft_error(decisions),
+        "late_last_decisions": late_decisions(decisions, args.ttft_slo),
         "books_end": books,
         "gateway_tracebacks": tracebacks,
     }
@@ -181,6 +184,26 @@ def ttft_error(decisions: list[dict[str, Any]]) -> dict[str, Any]:
         return round(errors[min(len(errors) - 1, int(q * len(errors)))], 3)
 
     return {"n": len(errors), "p10": pick(0.1), "median": pick(0.5), "p90": pick(0.9)}
+
+
+def late_decisions(decisions: list[dict[str, Any]], ttft_slo_s: float) -> dict[str, Any]:
+    """The recent decisions whose first token came after the TTFT SLO: how many, and what
+    the gateway had predicted for them (median seconds): whether the wait it saw was short
+    (a promise broken by the engine's spread) or long (by admitting up to the edge)."""
+    late = [d for d in decisions if (d.get("observed_ttft_s") or 0.0) > ttft_slo_s]
+    if not late:
+        return {"n": 0}
+
+    def median(key: str) -> float:
+        return round(statistics.median(d.get(key) or 0.0 for d in late), 4)
+
+    return {
+        "n": len(late),
+        "predicted_ttft_s": median("predicted_ttft_s"),
+        "predicted_queue_s": median("predicted_queue_s"),
+        "predicted_prefill_s": median("predicted_prefill_s"),
+        "observed_ttft_s": median("observed_ttft_s"),
+    }
 
 
 def overload_ratios(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:

@@ -133,6 +133,22 @@ class TBTHeadroomSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class WaitMarginSettings:
+    """A factor on the predicted queue wait, learned from the admitted requests' first
+    tokens (routing/wait_margin.py; measured in docs/real-engines.md). Over each ``window``
+    of them, per served model: a share over the TTFT SLO above ``target_miss`` multiplies the
+    factor by 1 + ``raise_gain`` x that share; one under half the target lowers it by
+    ``lower_step``; within [1, ``max_factor``]. Starts at 1."""
+
+    adaptive: bool = True
+    target_miss: float = 0.01
+    window: int = 50
+    raise_gain: float = 2.0
+    lower_step: float = 0.05
+    max_factor: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     mode: AdmissionMode = AdmissionMode.PREDICTIVE
     peer: PeerOverloadSettings = field(default_factory=PeerOverloadSettings)
@@ -141,6 +157,7 @@ class AdmissionSettings:
     decode_reservation: DecodeReservationSettings = field(default_factory=DecodeReservationSettings)
     decode_queue: DecodeQueueSettings = field(default_factory=DecodeQueueSettings)
     tbt_headroom: TBTHeadroomSettings = field(default_factory=TBTHeadroomSettings)
+    wait_margin: WaitMarginSettings = field(default_factory=WaitMarginSettings)
     # Predictions are multiplied by these before the SLO comparison (>1 = conservative).
     ttft_margin: float = 1.0
     tbt_margin: float = 1.0

@@ -141,6 +141,13 @@ def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     c.between(key + "raise_step", h.raise_step, 0.0, 1.0)
     c.between(key + "lower_step", h.lower_step, 0.0, 1.0)
     c.between(key + "min_share", h.min_share, 0.0, 1.0)
+    w = a.wait_margin
+    key = "admission.wait_margin."
+    c.between(key + "target_miss", w.target_miss, 0.0, 1.0)
+    c.at_least(key + "window", w.window, 1)
+    c.positive(key + "raise_gain", w.raise_gain)
+    c.between(key + "lower_step", w.lower_step, 0.0, 1.0)
+    c.at_least(key + "max_factor", w.max_factor, 1.0)
 
 
 # Policies with a shipped overload control (routing/policies/peer_overload.py).

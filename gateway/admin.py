@@ -254,6 +254,11 @@ class AdminAPI:
                 "tbt_headroom_share": {
                     m or "": round(t.share, 3) for m, t in c.admission.tbt_headroom.items()
                 },
+                # per served model: the factor on predicted queue waits, learned from the
+                # admitted requests' first tokens (routing/wait_margin.py; 1 = as predicted)
+                "wait_margin": {
+                    m or "": round(w.factor, 3) for m, w in c.admission.wait_margins.items()
+                },
                 "decode_rebinds": c.stats.rebinds,
                 "decode_tbt_moves": c.stats.tbt_moves,  # routing/decode_placement.py tbt_fallback
                 "decode_queue": {  # routing/decode_queue.py

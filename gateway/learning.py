@@ -46,6 +46,9 @@ class DecisionRecord:
     observed_ttft_s: float | None = None
     observed_tbt_s: float | None = None
     outcome: str = "in_flight"
+    # The parts of predicted_ttft_s: the wait behind the instance's queue and the prefill.
+    predicted_queue_s: float = 0.0
+    predicted_prefill_s: float = 0.0
 
     @classmethod
     def of(cls, request_id: str, at_s: float, d: Decision) -> DecisionRecord:
@@ -61,6 +64,8 @@ class DecisionRecord:
             d.cached_tokens,
             d.predicted_ttft_s,
             d.predicted_tbt_s,
+            predicted_queue_s=d.predicted_queue_s,
+            predicted_prefill_s=d.predicted_prefill_s,
         )
 
     def as_dict(self) -> dict[str, object]:

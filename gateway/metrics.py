@@ -91,6 +91,13 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.wait_margin = Gauge(
+            "kvgate_wait_margin",
+            "Factor on the predicted queue waits that admission checks, learned from the"
+            " admitted requests' first tokens (admission.wait_margin), per served model",
+            ["model"],
+            registry=r,
+        )
         self.decode_rebinds = Gauge(
             "kvgate_decode_rebinds",
             "Decodes moved when their prefill finished, since start (routing.decode_rebind)",

@@ -31,6 +31,7 @@ from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLO
 from routing.decode_reservation import DecodeReservation
 from routing.tbt_headroom import TBTHeadroomControl
 from routing.types import Rejection, RejectReason, RequestInfo
+from routing.wait_margin import WaitMarginControl
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -103,6 +104,7 @@ class Admission:
         "reservations",
         "settings",
         "tbt_headroom",
+        "wait_margins",
     )
 
     def __init__(self, settings: AdmissionSettings) -> None:
@@ -119,6 +121,7 @@ class Admission:
         # One per served model: each model's pools, prompt lengths and overload are its own.
         self.reservations: dict[str | None, DecodeReservation] = {}
         self.tbt_headroom: dict[str | None, TBTHeadroomControl] = {}
+        self.wait_margins: dict[str | None, WaitMarginControl] = {}
         self._peer: Any = None  # the peer's overload control, built for the policy in use
         self._peer_policy: object = None
 
@@ -151,15 +154,18 @@ class Admission:
         tbt_retry_s: float,
         ttft_promised: bool = True,
         retry: bool = False,
+        wait_s: float = 0.0,
     ) -> Rejection | None:
         """``tbt_s`` is the current TBT for ``early`` and the forecast for ``predictive``.
         ``ttft_promised=False``: a best-effort admission (routing/best_effort.py), judged on
         the TBT only. ``retry``: the request was checked before (placed again after a failed
-        instance); the reservation's windows count it once."""
+        instance); the reservation's windows count it once. ``wait_s``: the queue wait in
+        ``ttft_s``, stretched by the learned wait margin (routing/wait_margin.py)."""
         s = self.settings
         if s.mode not in SLO_MODES:
             return None
-        ttft_pred, tbt_pred = ttft_s * s.ttft_margin, tbt_s * s.tbt_margin
+        ttft = self.wait_margin_for(req.model).ttft(ttft_s, wait_s) if wait_s > 0.0 else ttft_s
+        ttft_pred, tbt_pred = ttft * s.ttft_margin, tbt_s * s.tbt_margin
         plain_fails = tbt_pred > slo.tbt_limit_s
         reservation = _for_model(
             self.reservations, req.model, DecodeReservation, s.decode_reservation
@@ -231,6 +237,15 @@ class Admission:
         refused by its engine (missed); only the SLO modes learn from it."""
         if self.settings.mode in SLO_MODES:
             self.headroom_for(model).observe(missed)
+
+    def wait_margin_for(self, model: str | None) -> WaitMarginControl:
+        return _for_model(self.wait_margins, model, WaitMarginControl, self.settings.wait_margin)
+
+    def observe_first_token(self, model: str | None, missed: bool) -> None:
+        """A request this admission let in with the TTFT promise got its first token
+        (``missed``: after its TTFT SLO); only the SLO modes learn from it."""
+        if self.settings.mode in SLO_MODES:
+            self.wait_margin_for(model).observe(missed)
 
     @property
     def turned_away_by_reserve(self) -> int:

@@ -224,7 +224,14 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
                 req, option, tbt_check, slo, self.settings.admission, prefill_pool, now
             )
             rejection = self.admission.check(
-                req, slo, option.ttft_s, tbt_check, retry_s, not late, bool(exclude) or parked
+                req,
+                slo,
+                option.ttft_s,
+                tbt_check,
+                retry_s,
+                not late,
+                bool(exclude) or parked,
+                wait_s=option.queue_s,
             )
         if rejection is not None:
             if parked:

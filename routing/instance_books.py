@@ -117,8 +117,9 @@ class InstanceState:
     healthy: bool = True
     draining: bool = False
     prefill_queue: dict[str, PrefillWork] = field(default_factory=dict)
-    busy_until_s: float = 0.0
+    busy_until_s: float = 0.0  # as booked; prefill_free_s() corrects it for an overdue head
     queued_tokens: int = 0
+    queued_prefill_s: float = 0.0  # predicted durations of the prefills in the queue, summed
     queue_scale: float = 1.0  # learned from answers (predictors/queue_scale.py); 1 = as booked
     incoming: dict[str, DecodeWork] = field(default_factory=dict)
     incoming_tokens: int = 0  # prompt tokens of the requests heading here
@@ -163,12 +164,24 @@ class InstanceState:
         ``max_num_seqs``), until a sequence leaves: there each request holds its place through
         its decode, so a prefill-only queue calls a full engine idle. Times the instance's
         learned ``queue_scale``."""
-        t = self.busy_until_s - now
+        t = self.prefill_free_s(now) - now
         if self.role is Role.BOTH and self.batch + len(self.incoming) >= self.max_batch:
             free = self._sequence_free_s(now) - now
             if free > t:
                 t = free
         return t * self.queue_scale if t > 0.0 else 0.0
+
+    def prefill_free_s(self, now: float) -> float:
+        """When the booked prefills are done. A prefill past its booked finish has not ended
+        (its first token ends it), so those behind it have not started: they still take their
+        whole times from ``now`` (on an engine slower than predicted, a queue of unstarted
+        prefills read as empty). The head's own remainder is unknown: counted as nothing."""
+        queue = self.prefill_queue
+        if not queue:
+            return self.busy_until_s
+        head = next(iter(queue.values()))
+        behind = now + self.queued_prefill_s - head.duration_s
+        return behind if behind > self.busy_until_s else self.busy_until_s
 
     def _sequence_free_s(self, now: float) -> float:
         """When a place frees for a newcomer: running decodes leave at their predicted finish;
@@ -194,20 +207,21 @@ class InstanceState:
     def enqueue_prefill(
         self, request_id: str, duration_s: float, prompt_tokens: int, now: float, ready_s: float
     ) -> PrefillWork:
-        start = max(self.busy_until_s, ready_s, now)
+        start = max(self.prefill_free_s(now), ready_s, now)
         work = PrefillWork(
             request_id, duration_s, start, start + duration_s, prompt_tokens, ready_s
         )
         self.prefill_queue[request_id] = work
         self.busy_until_s = work.est_finish_s
         self.queued_tokens += prompt_tokens
+        self.queued_prefill_s += duration_s
         return work
 
     def finish_prefill(self, request_id: str, now: float) -> PrefillWork | None:
         work = self.prefill_queue.pop(request_id, None)
         if work is None:
             return None
-        self.queued_tokens -= work.prompt_tokens
+        self._dequeued(work)
         # FCFS: the next queued prefill starts now; re-anchor the estimate on what remains.
         t = now
         for w in self.prefill_queue.values():
@@ -224,7 +238,7 @@ class InstanceState:
         for rid in request_ids:
             work = self.prefill_queue.pop(rid, None)
             if work is not None:
-                self.queued_tokens -= work.prompt_tokens
+                self._dequeued(work)
         self._close_up(now)
 
     def lengthen_prefills(self, durations: Mapping[str, float], now: float) -> None:
@@ -234,11 +248,18 @@ class InstanceState:
         for rid, duration_s in durations.items():
             work = self.prefill_queue.get(rid)
             if work is not None and duration_s > work.duration_s:
+                self.queued_prefill_s += duration_s - work.duration_s
                 work.duration_s = duration_s
                 work.est_finish_s = work.est_start_s + duration_s
                 longer = True
         if longer:
             self._close_up(now)
+
+    def _dequeued(self, work: PrefillWork) -> None:
+        self.queued_tokens -= work.prompt_tokens
+        # Summed floats drift: an empty queue is exactly nothing.
+        left = self.queued_prefill_s - work.duration_s
+        self.queued_prefill_s = left if self.prefill_queue else 0.0
 
     def _close_up(self, now: float) -> None:
         """Re-anchor the prefills not yet started behind the ones before them."""
@@ -386,7 +407,7 @@ class InstanceState:
         self.running.clear()
         self._by_finish.clear()
         self._by_arrival.clear()
-        self.busy_until_s = self.steps = 0.0
+        self.busy_until_s = self.steps = self.queued_prefill_s = 0.0
         self.queued_tokens = self.batch = self.context_tokens = self.reserved_tokens = 0
         self.incoming_tokens = 0
         self._recommit()

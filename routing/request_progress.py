@@ -237,6 +237,10 @@ class RequestProgress:
             if out > 0:
                 self.output_lengths.observe(rec.request.output_key, out)
             first = rec.first_token_s
+            # A whole answer's first token came with its last: no TTFT to learn from.
+            if first is not None and not rec.decision.best_effort and (decode_timed or out <= 1):
+                late = first - rec.dispatched_s > rec.decision.slo_ttft_s
+                self.admission.observe_first_token(rec.request.model, late)
             if tbt_s is None and decode_timed and first is not None and out > 1:
                 tbt_s = (now - first) / (out - 1)
             if tbt_s is not None:

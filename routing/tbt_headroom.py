@@ -16,9 +16,10 @@ model, like the other admission state. No clock: outcomes are counted, not timed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from config.admission_settings import TBTHeadroomSettings
+from routing.miss_window import MissWindow
 
 
 @dataclass(slots=True)
@@ -27,20 +28,17 @@ class TBTHeadroomControl:
     share: float = 1.0  # of each class's TBT headroom, in force
     raised: int = 0
     lowered: int = 0
-    _seen: int = 0
-    _missed: int = 0
+    outcomes: MissWindow = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outcomes = MissWindow(self.settings.window)
 
     def observe(self, missed: bool) -> None:
         """One finished (or refused) decode admitted by this gateway."""
         s = self.settings
-        if not s.adaptive:
+        miss = self.outcomes.add(missed) if s.adaptive else None
+        if miss is None:
             return
-        self._seen += 1
-        self._missed += missed
-        if self._seen < s.window:
-            return
-        miss = self._missed / self._seen
-        self._seen = self._missed = 0
         if miss > s.target_miss and self.share < 1.0:
             self.share = min(1.0, self.share + s.raise_step)
             self.raised += 1

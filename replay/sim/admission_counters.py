@@ -10,7 +10,7 @@ from routing.conductor import Conductor
 
 def admission_counters(conductor: Conductor) -> dict[str, object]:
     admission, stats, queue = conductor.admission, conductor.stats, conductor.decode_queue
-    control = admission.headroom_for(None)
+    control, margin = admission.headroom_for(None), admission.wait_margin_for(None)
     return {
         # Rejections the decode reservation made that the plain TBT check would have admitted.
         "reserve_turned_away": admission.turned_away_by_reserve,
@@ -26,4 +26,7 @@ def admission_counters(conductor: Conductor) -> dict[str, object]:
         # The share of the TBT headroom in force at the end, and how often it moved.
         "tbt_headroom_share": round(control.share, 3),
         "tbt_headroom_moves": control.raised + control.lowered,
+        # The factor on predicted waits at the end (routing/wait_margin.py), and its moves.
+        "wait_margin": round(margin.factor, 3),
+        "wait_margin_moves": margin.raised + margin.lowered,
     }

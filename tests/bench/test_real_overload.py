@@ -12,6 +12,7 @@ from bench.real_overload import (
     FIRST_TOKEN_ID,
     LLAMA_ARGS,
     RealEngineFleet,
+    late_decisions,
     overload_ratios,
     parse_args,
     token_ids,
@@ -98,3 +99,25 @@ def test_overload_ratios_within_each_round() -> None:
     runs = [run(0, "none", 2.0), run(0, "early", 6.0), run(1, "early", 5.0), run(1, "none", 1.0)]
     assert overload_ratios(runs, "none") == {"early": {"per_round": [3.0, 5.0], "median": 4.0}}
     assert overload_ratios([run(0, "none", 0.0), run(0, "early", 3.0)], "none") == {}
+
+
+def test_late_decisions_say_what_was_predicted_for_the_late_ones() -> None:
+    def rec(predicted: float, queue: float, observed: float | None) -> dict:
+        return {
+            "predicted_ttft_s": predicted,
+            "predicted_queue_s": queue,
+            "predicted_prefill_s": predicted - queue,
+            "observed_ttft_s": observed,
+        }
+
+    recent = [rec(0.2, 0.15, 1.3), rec(0.3, 0.25, 1.1), rec(0.9, 0.8, 2.0), rec(0.1, 0, 0.4)]
+    recent.append(rec(0.5, 0.4, None))  # still in flight
+    late = late_decisions(recent, 1.0)
+    assert late == {
+        "n": 3,
+        "predicted_ttft_s": 0.3,
+        "predicted_queue_s": 0.25,
+        "predicted_prefill_s": 0.05,
+        "observed_ttft_s": 1.3,
+    }
+    assert late_decisions(recent[3:], 1.0) == {"n": 0}

@@ -131,6 +131,9 @@ def test_min_greater_than_max(write_toml: WriteToml) -> None:
         ("[admission.tbt_headroom]\ntarget_miss = 2", "admission.tbt_headroom.target_miss"),
         ("[admission.tbt_headroom]\nwindow = 0", "admission.tbt_headroom.window"),
         ("[admission.tbt_headroom]\nmin_share = -0.1", "admission.tbt_headroom.min_share"),
+        ("[admission.wait_margin]\nmax_factor = 0.5", "admission.wait_margin.max_factor"),
+        ("[admission.wait_margin]\nwindow = 0", "admission.wait_margin.window"),
+        ("[admission.wait_margin]\nraise_gain = 0", "admission.wait_margin.raise_gain"),
     ],
 )
 def test_range_checks(write_toml: WriteToml, text: str, key: str) -> None:

@@ -114,6 +114,7 @@ def test_state_decisions_predictors_replication_openapi(client: TestClient) -> N
     assert state["best_effort_admitted"] == 0  # nothing served yet
     assert state["decode_reservation"] == {"pressure": {}, "turned_away": 0}
     assert state["tbt_headroom_share"] == {} and state["decode_rebinds"] == 0
+    assert state["wait_margin"] == {}  # no request admitted yet
     inst = state["instances"][0]
     for key in (
         "queue_s",

@@ -160,17 +160,21 @@ def test_a_pool_that_leaves_the_configuration_leaves_the_metrics() -> None:
     assert _gauge(gw, "kvgate_pool_instances", "dec") == 2
 
 
-def test_the_learned_tbt_headroom_rebinds_and_tbt_moves_are_published() -> None:
+def test_the_learned_tbt_headroom_wait_margin_rebinds_and_tbt_moves_are_published() -> None:
     clock = _Clock()
     gw = _gateway(clock)
     settings = replace(gw.settings.admission, mode=AdmissionMode.PREDICTIVE)
     gw.conductor.admission.settings = settings
     for _ in range(settings.tbt_headroom.window):  # a window of decodes, none missed
         gw.conductor.admission.observe_decode(None, False)
+    for _ in range(settings.wait_margin.window):  # a window of first tokens, all late
+        gw.conductor.admission.observe_first_token(None, True)
     gw.conductor.stats.rebinds = 3
     gw.conductor.stats.tbt_moves = 5
     gw._publish_gauges()
     share = gw.metrics.registry.get_sample_value("kvgate_tbt_headroom_share", {"model": ""})
     assert share == pytest.approx(0.9)
+    margin = gw.metrics.registry.get_sample_value("kvgate_wait_margin", {"model": ""})
+    assert margin == pytest.approx(3.0)  # 100 % late: x (1 + 2 x 1)
     assert gw.metrics.registry.get_sample_value("kvgate_decode_rebinds") == 3
     assert gw.metrics.registry.get_sample_value("kvgate_decode_tbt_moves") == 5

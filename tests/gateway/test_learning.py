@@ -169,6 +169,7 @@ def test_answers_correct_a_colocated_instances_queue_waits() -> None:
         scale = conductor.instances["e0"].queue_scale
         d = _decision(request_id=f"r{i}", predicted_queue_s=0.5 * scale)
         rec = DecisionRecord.of(d.request_id, 0.0, d)
+        assert (rec.predicted_queue_s, rec.predicted_prefill_s) == (0.5 * scale, 0.1)
         rec.observed_ttft_s = 0.75 + 0.1
         learner.observe_answer(d, rec, None)
     assert conductor.instances["e0"].queue_scale == pytest.approx(1.5, rel=0.01)

@@ -25,6 +25,26 @@ def test_fcfs_queue_time_and_reanchoring_on_early_completion() -> None:
     assert i.queue_time(2.5) == 0.0 and i.queued_tokens == 0
 
 
+def test_an_overdue_prefill_keeps_the_ones_behind_it_unstarted() -> None:
+    i = inst(Role.PREFILL)
+    i.enqueue_prefill("a", 1.0, 100, now=0.0, ready_s=0.0)
+    i.enqueue_prefill("b", 2.0, 100, now=0.0, ready_s=0.0)
+    i.enqueue_prefill("c", 0.5, 100, now=0.0, ready_s=0.0)
+    # At 1.5 "a" should have been done for 0.5 s; no first token yet, so "b" and "c" have
+    # not started: 2.5 s of work from now, not the 2.0 s the booked finish (3.5) leaves.
+    assert i.queue_time(1.5) == pytest.approx(2.5)
+    # Long past every booked finish, the queue still holds b and c.
+    assert i.queue_time(10.0) == pytest.approx(2.5)
+    w = i.enqueue_prefill("d", 1.0, 100, now=10.0, ready_s=0.0)
+    assert (w.est_start_s, w.est_finish_s) == pytest.approx((12.5, 13.5))
+    i.finish_prefill("a", 10.0)  # b starts now: c waits for it
+    assert i.queue_time(10.0) == pytest.approx(3.5)
+    i.lengthen_prefills({"c": 1.5}, 10.0)
+    assert i.queued_prefill_s == pytest.approx(4.5)
+    i.remove_prefills(["b", "c", "d"], 10.0)
+    assert i.queued_prefill_s == 0.0 and i.queue_time(10.0) == 0.0
+
+
 def test_prefill_waits_for_its_pull() -> None:
     i = inst(Role.PREFILL)
     w = i.enqueue_prefill("a", 1.0, 100, now=0.0, ready_s=0.5)

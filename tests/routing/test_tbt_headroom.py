@@ -94,7 +94,7 @@ def test_the_books_count_streamed_decodes_and_refusals() -> None:
     c.failed("refused", 1.5, decode_refused=True)
     _dispatched(c, "lost")
     c.failed("lost", 1.5)  # not a TBT outcome
-    assert (control._seen, control._missed) == (3, 2)
+    assert (control.outcomes.seen, control.outcomes.missed) == (3, 2)
 
 
 def test_the_simulator_spends_the_headroom_where_nothing_is_missed() -> None:
