@@ -260,7 +260,7 @@ class TenantGate:
             return d
         # The prediction test first: it is cheaper and, off overload, passes.
         rejection = (
-            self._over_share(tenant, d)
+            self._over_share(tenant, d, info.model)
             if self.cfg.fair_share and self.gw.settings.admission.mode in SLO_MODES
             else None
         )
@@ -273,7 +273,7 @@ class TenantGate:
         st.series.prompt_tokens.inc(info.prompt_tokens)
         return d
 
-    def _over_share(self, tenant: str, d: Decision) -> Rejection | None:
+    def _over_share(self, tenant: str, d: Decision, model: str | None) -> Rejection | None:
         s = self.gw.settings
         keep = keep_tbt = 1.0 - self.cfg.over_share_headroom
         # A class removed by a reload since the decision: the tenant's headroom only.
@@ -284,7 +284,10 @@ class TenantGate:
             # tenant over its fair share is the one to keep it for the others.
             keep_tbt *= 1.0 - cls.tbt_keep
         adm = s.admission
-        ttft, tbt = d.predicted_ttft_s * adm.ttft_margin, d.predicted_tbt_s * adm.tbt_margin
+        # The TTFT as admission checked it: its wait stretched by the learned wait margin.
+        margin = self.gw.conductor.admission.wait_margin_for(model)
+        ttft = margin.ttft(d.predicted_ttft_s, d.predicted_queue_s) * adm.ttft_margin
+        tbt = d.predicted_tbt_s * adm.tbt_margin
         checks = (
             (RejectReason.TTFT_SLO, "TTFT", ttft, keep * d.slo_ttft_s),
             (RejectReason.TBT_SLO, "TBT", tbt, keep_tbt * d.slo_tbt_s),

@@ -3,11 +3,10 @@ tokens then met their TTFT SLO.
 
 Admission keeps a promise: a request it lets in should get its first token within the TTFT
 SLO. The books predict the wait behind the queue, and the instances' queue scales
-(predictors/queue_scale.py) correct their mean; but a real engine's waits spread around it:
-on two vLLM CPU engines sharing two cores the first token of a request at the same load came
-anywhere from a tenth to twice the prediction, so admitting up to the SLO by the mean left
-half the admitted requests late. The spread, not the mean, is what breaks the promise, and
-only the outcomes show it.
+(predictors/queue_scale.py) correct their mean; but a real engine's waits spread around it
+(two llama-servers under 3x overload: ±25 % at p10 / p90), and admitting up to the SLO by the
+mean left a tenth of the admitted requests late. The spread, not the mean, is what breaks the
+promise, and only the outcomes show it (docs/real-engines.md, "Keeping the promise").
 
 So each served model keeps a factor on the wait (1 = as predicted): over each ``window`` of
 admitted requests' first tokens, a share of misses above ``target_miss`` raises it in

@@ -303,15 +303,21 @@ def test_fair_share_sheds_the_over_share_tenant_first(keys_file: Path, clock: Fa
     # Below the tightened limit a is still served: sharing never idles the fleet.
     assert gate.admit("a", "a6", _info("a6"), now) is None
     assert isinstance(gate.screen(_decision("a6", 0.4), _info("a6"), now), Decision)
+    # ... unless its wait, stretched by the margin admission learned, takes it over the limit.
+    app.gateway.conductor.admission.wait_margin_for(None).factor = 2.0
+    waits = replace(_decision("a8", 0.4), predicted_queue_s=0.2, predicted_prefill_s=0.2)
+    assert gate.admit("a", "a8", _info("a8"), now) is None
+    assert isinstance(gate.screen(waits, _info("a8"), now), Rejection)  # 0.4 + 0.2 > 0.5
+    app.gateway.conductor.admission.wait_margin_for(None).factor = 1.0
     # With fair_share off, a is only held to the SLO.
     gate.apply(replace(gate.cfg, fair_share=False))
     assert gate.admit("a", "a7", _info("a7"), now) is None
     assert isinstance(gate.screen(_decision("a7", 0.8), _info("a7"), now), Decision)
-    for rid in ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7", "b0"):
+    for rid in ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8", "b0"):
         gate.leave(rid)
     assert all(st.in_flight == 0 for st in gate.states.values())
     metrics = app.gateway.metrics.render().decode()
-    assert 'kvgate_tenant_over_share_rejections_total{tenant="a"} 1.0' in metrics
+    assert 'kvgate_tenant_over_share_rejections_total{tenant="a"} 2.0' in metrics
 
 
 def test_end_to_end_on_emulators_metrics_and_admin() -> None:
