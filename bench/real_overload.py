@@ -283,13 +283,17 @@ def _say(msg: str) -> None:
     print(f"[real_overload] {msg}", file=sys.stderr, flush=True)
 
 
-def _brief(run: dict[str, Any]) -> str:
+def progress_line(run: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f} %"
+
     cells = []
     for s in run["phases"]:
+        good = s["goodput_rps"]
         cells.append(
-            f"{s['phase']}: goodput {s['goodput_rps']} r/s, attainment {s['slo_attainment']}, "
-            f"rejected {s['rejected']}, admitted {s['admitted']} of which missed "
-            f"{s['admitted_slo_miss_ratio']}"
+            f"{s['phase']}: goodput {'-' if good is None else f'{good:.2f}'} r/s"
+            f" (attainment {pct(s['slo_attainment'])}), rejected {s['rejected']},"
+            f" admitted {s['admitted']} of which late {pct(s['admitted_slo_miss_ratio'])}"
         )
     return f"{run['admission']}: " + "; ".join(cells)
 
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {rnd + 1}: admission {mode} ({args.factor:g}x = {args.factor * rate:g} r/s)"
             )
             res = {"round": rnd, **run_mode(args, mode, rate, workdir / f"r{rnd}-{mode}", profile)}
-            _say(_brief(res))
+            _say(progress_line(res))
             runs.append(res)
     report: dict[str, Any] = {
         "engine": args.engine,
@@ -328,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "rate_source": "probe" if ladder else "configured",
         "probe": ladder,
         "profile": str(profile),
+        "workdir": str(workdir),  # each run's configs and engine / gateway logs
         "runs": runs,
         "args": {k: v for k, v in vars(args).items() if k != "mode_list"},
     }

@@ -15,6 +15,7 @@ from bench.real_overload import (
     late_decisions,
     overload_ratios,
     parse_args,
+    progress_line,
     token_ids,
 )
 from config.loader import load_settings
@@ -121,3 +122,16 @@ def test_late_decisions_say_what_was_predicted_for_the_late_ones() -> None:
         "observed_ttft_s": 1.3,
     }
     assert late_decisions(recent[3:], 1.0) == {"n": 0}
+
+
+def test_the_progress_line_rounds_what_it_prints() -> None:
+    phase = {"rejected": 3, "admitted": 359}
+    one = {**phase, "phase": "1x", "goodput_rps": 11.9666, "slo_attainment": 0.84401}
+    one["admitted_slo_miss_ratio"] = 0.15598
+    empty = {**phase, "phase": "3x", "goodput_rps": None, "slo_attainment": None}
+    empty["admitted_slo_miss_ratio"] = None
+    line = progress_line({"admission": "early", "phases": [one, empty]})
+    assert line == (
+        "early: 1x: goodput 11.97 r/s (attainment 84.4 %), rejected 3, admitted 359 of which"
+        " late 15.6 %; 3x: goodput - r/s (attainment -), rejected 3, admitted 359 of which late -"
+    )
