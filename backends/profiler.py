@@ -249,8 +249,7 @@ BURST_GAP_S = 20e-6  # closer than this, two chunks came in one read, not one st
 
 
 def _burst(times: Sequence[float]) -> bool:
-    gaps = sorted(b - a for a, b in pairwise(times))
-    return gaps[len(gaps) // 2] < BURST_GAP_S
+    return statistics.median(b - a for a, b in pairwise(times)) < BURST_GAP_S
 
 
 def decode_samples(timings: Sequence[_Timing], context: int) -> list[SweepSample]:

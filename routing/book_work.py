@@ -74,6 +74,10 @@ class DecodeBook:
         for i in range(bisect_right(items, (key, "\uffff"))):
             yield items[i][2]
 
+    def __iter__(self) -> Iterator[DecodeWork]:
+        """All the work, in key order."""
+        return (work for _, _, work in self._items)
+
     def first(self) -> DecodeWork | None:
         return self._items[0][2] if self._items else None
 

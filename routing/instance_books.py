@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush
+from heapq import heappop, heappush
 
 from config.settings import Role
 from predictors.bundle import InstancePredictors
@@ -119,9 +119,10 @@ class InstanceState:
             min(self.max_batch, self.batch + len(self.incoming)),
             self.context_tokens + self.incoming_tokens,
         )
-        leave = sorted(now + max(w.finish_step - clock, 0.0) * tbt for w in self.running.values())
-        free = leave[: self.max_batch] + [now] * (self.max_batch - len(leave))
-        heapify(free)
+        # The running book is in finish order, so these are ascending and, after the places
+        # free now, the list is already a heap.
+        leave = [now + max(w.finish_step - clock, 0.0) * tbt for w in self._by_finish]
+        free = [now] * (self.max_batch - len(leave)) + leave[: self.max_batch]
         for rid, work in self.incoming.items():
             start = heappop(free)
             pre = self.prefill_queue.get(rid)

@@ -9,16 +9,15 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class MissWindow:
-    size: int
     seen: int = 0  # outcomes in the window being filled
     missed: int = 0
 
-    def add(self, missed: bool) -> float | None:
-        """Count one outcome; the window's share of misses once it is full (it starts over),
-        else None."""
+    def add(self, missed: bool, size: int) -> float | None:
+        """Count one outcome; the share of misses once ``size`` outcomes are in (the window
+        starts over), else None."""
         self.seen += 1
         self.missed += missed
-        if self.seen < self.size:
+        if self.seen < size:
             return None
         share = self.missed / self.seen
         self.seen = self.missed = 0

@@ -28,15 +28,12 @@ class TBTHeadroomControl:
     share: float = 1.0  # of each class's TBT headroom, in force
     raised: int = 0
     lowered: int = 0
-    outcomes: MissWindow = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.outcomes = MissWindow(self.settings.window)
+    outcomes: MissWindow = field(default_factory=MissWindow)
 
     def observe(self, missed: bool) -> None:
         """One finished (or refused) decode admitted by this gateway."""
         s = self.settings
-        miss = self.outcomes.add(missed) if s.adaptive else None
+        miss = self.outcomes.add(missed, s.window) if s.adaptive else None
         if miss is None:
             return
         if miss > s.target_miss and self.share < 1.0:

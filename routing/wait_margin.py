@@ -30,16 +30,13 @@ class WaitMarginControl:
     factor: float = 1.0
     raised: int = 0
     lowered: int = 0
-    outcomes: MissWindow = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.outcomes = MissWindow(self.settings.window)
+    outcomes: MissWindow = field(default_factory=MissWindow)
 
     def observe(self, missed: bool) -> None:
         """The first token of one request admitted with the TTFT promise (``missed``: after
         its TTFT SLO)."""
         s = self.settings
-        miss = self.outcomes.add(missed) if s.adaptive else None
+        miss = self.outcomes.add(missed, s.window) if s.adaptive else None
         if miss is None:
             return
         if miss > s.target_miss and self.factor < s.max_factor:

@@ -23,6 +23,7 @@ def test_the_book_keeps_work_in_key_then_id_order() -> None:
     assert [w.request_id for w in book.up_to(5.0)] == ["b", "a", "c"]
     assert [w.request_id for w in book.up_to(4.9)] == ["b"]
     assert book.first() is b and len(book) == 3
+    assert [w.request_id for w in book] == ["b", "a", "c"]
     book.remove(5.0, a)
     assert [w.request_id for w in book.up_to(10.0)] == ["b", "c"]
     with pytest.raises(KeyError):
