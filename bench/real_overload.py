@@ -161,6 +161,7 @@ def run_mode(
         "gateway_ttft_mape_pct": predictors.get("ttft_mape_pct"),
         "queue_scales": predictors.get("queue_scales"),
         "wait_margin": state.get("wait_margin"),  # routing/wait_margin.py, per model
+        "stall_credit": state.get("stall_credit"),  # routing/stall_credit.py, per model
         "ttft_error_last_decisions": ttft_error(decisions),
         "late_last_decisions": late_decisions(decisions, args.ttft_slo),
         "books_end": books,

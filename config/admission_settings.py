@@ -149,6 +149,26 @@ class WaitMarginSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillStallSettings:
+    """The TBT check of a request placed on a colocated instance also asks what its prefill
+    does to the decodes already there (routing/prefill_stall.py), counting on ``credit`` of
+    their future TBT slack (routing/stall_credit.py; measured in docs/experiments.md §2.7).
+    With ``adaptive``, over each ``window`` finished decodes of a model's colocated
+    instances, a share over the TBT SLO above ``target_miss`` multiplies the credit by
+    ``lower_factor`` and one under half of it adds ``raise_step``, within [0, ``max_credit``];
+    it starts at ``credit``."""
+
+    enabled: bool = True
+    credit: float = 0.1
+    adaptive: bool = True
+    target_miss: float = 0.005
+    window: int = 50
+    raise_step: float = 0.01
+    lower_factor: float = 0.75
+    max_credit: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     mode: AdmissionMode = AdmissionMode.PREDICTIVE
     peer: PeerOverloadSettings = field(default_factory=PeerOverloadSettings)
@@ -158,6 +178,7 @@ class AdmissionSettings:
     decode_queue: DecodeQueueSettings = field(default_factory=DecodeQueueSettings)
     tbt_headroom: TBTHeadroomSettings = field(default_factory=TBTHeadroomSettings)
     wait_margin: WaitMarginSettings = field(default_factory=WaitMarginSettings)
+    prefill_stall: PrefillStallSettings = field(default_factory=PrefillStallSettings)
     # Predictions are multiplied by these before the SLO comparison (>1 = conservative).
     ttft_margin: float = 1.0
     tbt_margin: float = 1.0

@@ -148,6 +148,14 @@ def _check_admission(c: Checker, a: AdmissionSettings) -> None:
     c.positive(key + "raise_gain", w.raise_gain)
     c.between(key + "lower_step", w.lower_step, 0.0, 1.0)
     c.at_least(key + "max_factor", w.max_factor, 1.0)
+    st = a.prefill_stall
+    key = "admission.prefill_stall."
+    c.between(key + "max_credit", st.max_credit, 0.0, 1.0)
+    c.between(key + "credit", st.credit, 0.0, st.max_credit)
+    c.between(key + "target_miss", st.target_miss, 0.0, 1.0)
+    c.at_least(key + "window", st.window, 1)
+    c.between(key + "raise_step", st.raise_step, 0.0, 1.0)
+    c.between(key + "lower_factor", st.lower_factor, 0.0, 1.0)
 
 
 # Policies with a shipped overload control (routing/policies/peer_overload.py).

@@ -259,6 +259,11 @@ class AdminAPI:
                 "wait_margin": {
                     m or "": round(w.factor, 3) for m, w in c.admission.wait_margins.items()
                 },
+                # per served model: the share of the colocated decodes' future TBT slack a
+                # new prefill may spend (routing/stall_credit.py; only colocated fleets move it)
+                "stall_credit": {
+                    m or "": round(s.credit, 3) for m, s in c.admission.stall_credits.items()
+                },
                 "decode_rebinds": c.stats.rebinds,
                 "decode_tbt_moves": c.stats.tbt_moves,  # routing/decode_placement.py tbt_fallback
                 "decode_queue": {  # routing/decode_queue.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from routing.admission import Admission
 from routing.cache_feedback import CacheFeedback
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -95,6 +96,13 @@ class GatewayMetrics:
             "kvgate_wait_margin",
             "Factor on the predicted queue waits that admission checks, learned from the"
             " admitted requests' first tokens (admission.wait_margin), per served model",
+            ["model"],
+            registry=r,
+        )
+        self.stall_credit = Gauge(
+            "kvgate_stall_credit",
+            "Share of the colocated decodes' future TBT slack that a new prefill's stall may"
+            " spend, learned from their outcomes (admission.prefill_stall), per served model",
             ["model"],
             registry=r,
         )
@@ -231,6 +239,16 @@ class GatewayMetrics:
         self._reported_cached += fb.engine_cached_tokens
         if self._reported_prompt:
             self.engine_cache_hit.set(self._reported_cached / self._reported_prompt)
+
+    def publish_learned(self, admission: Admission) -> None:
+        """What admission learned, per served model: the TBT headroom in force, the wait
+        margin and the colocated stall credit."""
+        for model, control in admission.tbt_headroom.items():
+            self.tbt_headroom_share.labels(model or "").set(control.share)
+        for model, margin in admission.wait_margins.items():
+            self.wait_margin.labels(model or "").set(margin.factor)
+        for model, credit in admission.stall_credits.items():
+            self.stall_credit.labels(model or "").set(credit.credit)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

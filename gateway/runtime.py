@@ -357,10 +357,7 @@ class Gateway:
             self.metrics.queue.labels(inst.id).set(inst.queue_time(now))
             self.metrics.queue_scale.labels(inst.id).set(inst.queue_scale)
             self.metrics.batch.labels(inst.id).set(inst.batch)
-        for model, control in self.conductor.admission.tbt_headroom.items():
-            self.metrics.tbt_headroom_share.labels(model or "").set(control.share)
-        for model, margin in self.conductor.admission.wait_margins.items():
-            self.metrics.wait_margin.labels(model or "").set(margin.factor)
+        self.metrics.publish_learned(self.conductor.admission)
         self.metrics.decode_rebinds.set(self.conductor.stats.rebinds)
         self.metrics.decode_tbt_moves.set(self.conductor.stats.tbt_moves)
         queue = self.conductor.decode_queue

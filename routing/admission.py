@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from config.errors import KvgateError
 from config.settings import AdmissionMode, AdmissionSettings, PriorityClass, SLOSettings
 from routing.decode_reservation import DecodeReservation
+from routing.stall_credit import StallCreditControl
 from routing.tbt_headroom import TBTHeadroomControl
 from routing.types import Rejection, RejectReason, RequestInfo
 from routing.wait_margin import WaitMarginControl
@@ -103,6 +104,7 @@ class Admission:
         "_peer_policy",
         "reservations",
         "settings",
+        "stall_credits",
         "tbt_headroom",
         "wait_margins",
     )
@@ -122,6 +124,7 @@ class Admission:
         self.reservations: dict[str | None, DecodeReservation] = {}
         self.tbt_headroom: dict[str | None, TBTHeadroomControl] = {}
         self.wait_margins: dict[str | None, WaitMarginControl] = {}
+        self.stall_credits: dict[str | None, StallCreditControl] = {}
         self._peer: Any = None  # the peer's overload control, built for the policy in use
         self._peer_policy: object = None
 
@@ -232,11 +235,18 @@ class Admission:
         settings = self.settings.tbt_headroom
         return _for_model(self.tbt_headroom, model, TBTHeadroomControl, settings)
 
-    def observe_decode(self, model: str | None, missed: bool) -> None:
+    def observe_decode(self, model: str | None, missed: bool, colocated: bool = False) -> None:
         """A decode this admission let in finished (``missed``: over its TBT SLO) or was
-        refused by its engine (missed); only the SLO modes learn from it."""
+        refused by its engine (missed); only the SLO modes learn from it. ``colocated``: it
+        decoded where it was prefilled, beside the prefills the stall check let in."""
         if self.settings.mode in SLO_MODES:
             self.headroom_for(model).observe(missed)
+            if colocated and self.settings.prefill_stall.enabled:
+                self.stall_credit_for(model).observe(missed)
+
+    def stall_credit_for(self, model: str | None) -> StallCreditControl:
+        settings = self.settings.prefill_stall
+        return _for_model(self.stall_credits, model, StallCreditControl, settings)
 
     def wait_margin_for(self, model: str | None) -> WaitMarginControl:
         return _for_model(self.wait_margins, model, WaitMarginControl, self.settings.wait_margin)

@@ -1,13 +1,15 @@
 """Where a request's decode runs, and the TBT that admission checks for it.
 
-Colocated pools decode where the prefill ran. Otherwise the policy may choose; by default the
-instance with the lowest *committed* TBT (everything assigned to it, including requests still in
-prefill) or, with ``decode_placement = "current"``, the lowest TBT of its running batch
-(Mooncake's), within KV capacity and batch limits. Early admission checks today's TBT there;
-predictive admission the TBT forecast for when the request arrives, never below today's
-(``predictive_tbt``). When the prefill is done, ``rebind_target`` may move the decode to
-another instance if the chosen one can no longer take it (late decode binding); with it on,
-predictive admission asks whether any instance is forecast to take the request then.
+Colocated pools decode where the prefill ran, and the TBT checked there is also the worst that
+the request's prefill leaves to the decodes already there (routing/prefill_stall.py).
+Otherwise the policy may choose; by default the instance with the lowest *committed* TBT
+(everything assigned to it, including requests still in prefill) or, with
+``decode_placement = "current"``, the lowest TBT of its running batch (Mooncake's), within KV
+capacity and batch limits. Early admission checks today's TBT there; predictive admission the
+TBT forecast for when the request arrives, never below today's (``predictive_tbt``). When the
+prefill is done, ``rebind_target`` may move the decode to another instance if the chosen one
+can no longer take it (late decode binding); with it on, predictive admission asks whether
+any instance is forecast to take the request then.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from config.settings import AdmissionMode, DecodePlacement
 from routing.estimates import PrefillOption
 from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, Policy
+from routing.prefill_stall import stalled_tbt
 
 _COMMITTED = attrgetter("committed_key")
 
@@ -32,16 +35,26 @@ def place_decode(
     mode: AdmissionMode,
     late_binding: bool = False,
     tbt_floor_s: float = 0.0,
+    stall_credit: float | None = 0.0,
 ) -> tuple[InstanceState | None, float, float, float]:
     """Pick the decode instance; returns (instance, TBT now, TBT to check, retry hint).
     ``late_binding``: the decode may still move when the prefill is done; ``tbt_floor_s``:
-    a TBT to check at or below it decides nothing (``Admission.tbt_floor_s``)."""
+    a TBT to check at or below it decides nothing (``Admission.tbt_floor_s``);
+    ``stall_credit``: on a colocated instance, the share of its decodes' future slack that
+    the stall of this prefill may spend (routing/stall_credit.py; 0: none of it; None: the
+    stall is not checked)."""
     req = ctx.request
     need = req.prompt_tokens + ctx.predicted_output
     decode_pool = ctx.decode_candidates
     if not decode_pool:  # colocated: decode where the prefill ran
         tbt = prefill.tbt_now(1, req.prompt_tokens)
-        return prefill, tbt, tbt, retry_hint(prefill, ctx.now)
+        check = tbt
+        if ctx.slo is not None and stall_credit is not None and mode is not AdmissionMode.NONE:
+            # Its prefill stalls the decodes already there (routing/prefill_stall.py).
+            new_tokens = req.prompt_tokens - option.cached_tokens
+            stalled = stalled_tbt(prefill, option, new_tokens, ctx.now, ctx.slo.tbt_s, stall_credit)
+            check = max(tbt, stalled)
+        return prefill, tbt, check, retry_hint(prefill, ctx.now)
     d = policy.select_decode(ctx)
     if d is None:
         # InstanceState.takes_decode, inlined: this runs for every decode instance on every

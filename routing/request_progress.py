@@ -244,7 +244,9 @@ class RequestProgress:
             if tbt_s is None and decode_timed and first is not None and out > 1:
                 tbt_s = (now - first) / (out - 1)
             if tbt_s is not None:
-                self.admission.observe_decode(rec.request.model, tbt_s > rec.decision.slo_tbt_s)
+                missed = tbt_s > rec.decision.slo_tbt_s
+                colocated = rec.decision.decode == rec.decision.prefill
+                self.admission.observe_decode(rec.request.model, missed, colocated)
         for hook in self.after_finished:  # its decode room is free (gateway/decode_waits.py)
             hook(now)
 

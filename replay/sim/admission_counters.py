@@ -11,6 +11,7 @@ from routing.conductor import Conductor
 def admission_counters(conductor: Conductor) -> dict[str, object]:
     admission, stats, queue = conductor.admission, conductor.stats, conductor.decode_queue
     control, margin = admission.headroom_for(None), admission.wait_margin_for(None)
+    credit = admission.stall_credit_for(None)
     return {
         # Rejections the decode reservation made that the plain TBT check would have admitted.
         "reserve_turned_away": admission.turned_away_by_reserve,
@@ -29,4 +30,7 @@ def admission_counters(conductor: Conductor) -> dict[str, object]:
         # The factor on predicted waits at the end (routing/wait_margin.py), and its moves.
         "wait_margin": round(margin.factor, 3),
         "wait_margin_moves": margin.raised + margin.lowered,
+        # The colocated prefill-stall check's slack credit at the end (routing/stall_credit.py).
+        "stall_credit": round(credit.credit, 3),
+        "stall_credit_moves": credit.raised + credit.lowered,
     }

@@ -55,6 +55,7 @@ _ADMISSION_SWITCHES = (
     ("decode_reservation", "enabled", "on"),
     ("decode_queue", "enabled", "on"),
     ("tbt_headroom", "adaptive", "learned"),
+    ("prefill_stall", "enabled", "on"),
 )
 
 
@@ -277,6 +278,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="admission.tbt_headroom.adaptive: the share of the priority classes' TBT headroom "
         "in force learned from the decodes' outcomes, or the configured headroom always "
         "(default: the config's, learned)",
+    )
+    p.add_argument(
+        "--prefill-stall",
+        choices=["on", "off"],
+        help="admission.prefill_stall.enabled: on a colocated instance, check the TBT that "
+        "the request's prefill leaves to the decodes already there (default: the config's, on)",
     )
     p.add_argument(
         "--decode-rebind",

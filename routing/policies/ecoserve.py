@@ -42,6 +42,7 @@ from routing.estimates import PrefillOption
 from routing.instance_books import InstanceState
 from routing.policies.base import PlacementContext, PolicyBase, min_queue
 from routing.policies.macro import Macro, Macros
+from routing.prefill_stall import decode_part_s, running_slack
 
 # SLOs used when the Conductor gives none (EcoServe Table 4, ShareGPT): TTFT 5 s, TPOT 100 ms.
 DEFAULT_TTFT_SLO_S = 5.0
@@ -183,9 +184,7 @@ class RollingActivationPolicy(PolicyBase):
         tpot_slo = slo.tbt_s if slo is not None else DEFAULT_TPOT_SLO_S
         opt = ctx.estimator.local(inst)
         chunk = self.chunk_tokens or inst.predictors.profile.max_batched_tokens
-        dec = inst.predictors.decode
-        # What the running decodes add to every mixed step (D2 without its fixed part).
-        part = (dec.b_ms * inst.batch + dec.k_ms * inst.context_tokens) / 1000.0
+        part = decode_part_s(inst)  # what the running decodes add to every mixed step
         new_tokens = req.prompt_tokens - opt.cached_tokens
         steps = -(-(inst.queued_tokens + new_tokens) // chunk)
         ttft = opt.ttft_s + steps * part
@@ -260,8 +259,9 @@ class RollingActivationPolicy(PolicyBase):
         # Running decodes: saved slack so far plus what they will still save.
         steps = -(-(inst.queued_tokens + new_tokens) // chunk)
         stall = (opt.queue_s + new_s + steps * (part - tpot_slo)) * margin
-        for slack in _running_slack(inst, now, tpot_slo, gain):
-            heads.append(slack - stall)
+        for slack, _ in running_slack(inst, now, tpot_slo, gain):
+            if slack >= 0.0:  # past saving: a prefill no longer changes its outcome
+                heads.append(slack - stall)
         if not heads:
             return None
         heads.sort()
@@ -303,33 +303,3 @@ def _better(
     best: tuple[float, int, Macro, Check] | None, cand: tuple[float, int, Macro, Check]
 ) -> tuple[float, int, Macro, Check]:
     return cand if best is None or cand[:2] < best[:2] else best
-
-
-def _running_slack(inst: InstanceState, now: float, tpot_slo: float, gain: float) -> list[float]:
-    """Projected TPOT slack of the instance's running decodes that can still meet the SLO.
-
-    A decode that made ``g`` tokens in ``e`` seconds since its first token and is predicted to
-    make ``r`` more ends with slack ``g * SLO - e + r * gain`` (``gain``: what a decode-only
-    step saves, credited conservatively). Decodes already past saving are left out: a prefill
-    no longer changes their outcome, and counting them would stop every window on a loaded
-    instance. ``g`` is the reported count plus the steps the instance's step clock (advancing
-    at the predicted TBT) ran since the last report: a DecodeWork's ``finish_step`` was keyed
-    then as ``clock + expected_remaining()``, which recovers the clock of the report. Nothing
-    is mutated (``step_clock`` would advance the books' memo).
-    """
-    out: list[float] = []
-    if not inst.running:
-        return out
-    clock = inst.steps
-    if now > inst.steps_at_s:
-        clock += (now - inst.steps_at_s) / max(inst.tbt_now(), 1e-4)
-    for w in inst.running.values():
-        if w.started_s is None:
-            continue
-        keyed = w.finish_step - w.expected_remaining()
-        tokens = w.generated + max(clock - keyed, 0.0)
-        left = max(w.predicted_output - tokens, w.predicted_output / 4, 1.0)
-        slack = tokens * tpot_slo - (now - w.started_s) + left * gain
-        if slack >= 0.0:
-            out.append(slack)
-    return out

@@ -134,6 +134,9 @@ def test_min_greater_than_max(write_toml: WriteToml) -> None:
         ("[admission.wait_margin]\nmax_factor = 0.5", "admission.wait_margin.max_factor"),
         ("[admission.wait_margin]\nwindow = 0", "admission.wait_margin.window"),
         ("[admission.wait_margin]\nraise_gain = 0", "admission.wait_margin.raise_gain"),
+        ("[admission.prefill_stall]\ncredit = 1.5", "admission.prefill_stall.credit"),
+        ("[admission.prefill_stall]\nwindow = 0", "admission.prefill_stall.window"),
+        ("[admission.prefill_stall]\nlower_factor = 2", "admission.prefill_stall.lower_factor"),
     ],
 )
 def test_range_checks(write_toml: WriteToml, text: str, key: str) -> None:

@@ -190,3 +190,37 @@ def test_a_long_prompt_failing_on_the_planned_instance_is_not_moved() -> None:
     assert isinstance(out, Rejection) and out.reason is RejectReason.TBT_SLO
     short = decide(c, "s", prompt(6, 4))  # as short as the recent ones: moved
     assert isinstance(short, Decision) and short.decode == "d1", short
+
+
+def _colocated_with_a_decode(**sections: object) -> Conductor:
+    """One colocated instance running one decode that made 9 of its ~10 tokens in 0.5 s:
+    0.4 s of its TBT budget saved, little more to come."""
+    from routing.instance_books import DecodeWork
+
+    c = make_conductor(
+        prefill=0, decode=0, colocated=1, admission=AdmissionMode.PREDICTIVE, **sections
+    )
+    c0 = c.instances["c0"]
+    c0.add_incoming(DecodeWork("old", 1000, 10, 0.0))
+    c0.start_decode("old", 0.0)
+    c0.add_tokens("old", 9, 0.5)
+    return c
+
+
+def test_colocated_check_turns_away_a_prefill_that_would_stall_a_decode_past_its_slo() -> None:
+    c = _colocated_with_a_decode()
+    # 32k tokens: ~1 s of prefill in chunk steps, more than the running decode has saved.
+    long = decide(c, "long", prompt(1, 2000), now=0.5)
+    assert isinstance(long, Rejection) and long.reason is RejectReason.TBT_SLO
+    assert long.predicted_tbt_s is not None and long.predicted_tbt_s > 0.1
+    short = decide(c, "short", prompt(2, 4), now=0.5)  # a few ms: the decode absorbs it
+    assert isinstance(short, Decision) and short.decode == "c0"
+
+
+def test_colocated_check_off_admits_the_stalling_prefill() -> None:
+    from config.admission_settings import PrefillStallSettings
+
+    c = _colocated_with_a_decode()
+    admission = replace(c.settings.admission, prefill_stall=PrefillStallSettings(enabled=False))
+    c.apply_settings(replace(c.settings, admission=admission))
+    assert isinstance(decide(c, "long", prompt(1, 2000), now=0.5), Decision)
