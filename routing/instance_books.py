@@ -90,12 +90,18 @@ class InstanceState:
         ``max_num_seqs``), until a sequence leaves: there each request holds its place through
         its decode, so a prefill-only queue calls a full engine idle. Times the instance's
         learned ``queue_scale``."""
-        t = self.prefill_free_s(now) - now
+        t = self.prefill_start_s(now) - now
+        return t * self.queue_scale if t > 0.0 else 0.0
+
+    def prefill_start_s(self, now: float) -> float:
+        """When a new prefill would start, as booked (``queue_time`` without the learned
+        scale): after the booked prefills and, on a full colocated engine, a free sequence."""
+        t = self.prefill_free_s(now)
         if self.role is Role.BOTH and self.batch + len(self.incoming) >= self.max_batch:
-            free = self._sequence_free_s(now) - now
+            free = self._sequence_free_s(now)
             if free > t:
                 t = free
-        return t * self.queue_scale if t > 0.0 else 0.0
+        return t
 
     def prefill_free_s(self, now: float) -> float:
         """When the booked prefills are done. A prefill past its booked finish has not ended

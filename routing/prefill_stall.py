@@ -22,6 +22,7 @@ of it; routing/stall_credit.py learns it).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator
 
 from routing.estimates import PrefillOption
@@ -42,14 +43,15 @@ def chunk_tokens(inst: InstanceState) -> int:
 
 def running_slack(
     inst: InstanceState, now: float, tbt_slo_s: float, gain_s: float
-) -> Iterator[tuple[float, float]]:
-    """``(slack, tokens)`` of each running decode: the slack it ends with if nothing stalls
-    it (``gain_s`` credited per token still to come) and the tokens it makes in all.
+) -> Iterator[tuple[float, float, float]]:
+    """``(slack, made, left)`` of each running decode: the slack it ends with if nothing
+    stalls it (``gain_s`` credited per token still to come), the tokens it made and the
+    tokens it is predicted still to make.
 
-    ``tokens`` made so far is the reported count plus the steps the instance's step clock
-    (advancing at the predicted TBT) ran since the last report: a DecodeWork's
-    ``finish_step`` was keyed then as ``clock + expected_remaining()``, which recovers the
-    clock of the report. Nothing is mutated (``step_clock`` would advance the books' memo).
+    ``made`` is the reported count plus the steps the instance's step clock (advancing at the
+    predicted TBT) ran since the last report: a DecodeWork's ``finish_step`` was keyed then as
+    ``clock + expected_remaining()``, which recovers the clock of the report. Nothing is
+    mutated (``step_clock`` would advance the books' memo).
     """
     if not inst.running:
         return
@@ -62,7 +64,32 @@ def running_slack(
         keyed = w.finish_step - w.expected_remaining()
         made = w.generated + max(clock - keyed, 0.0)
         left = max(w.predicted_output - made, w.predicted_output / 4, 1.0)
-        yield made * tbt_slo_s - (now - w.started_s) + left * gain_s, made + left
+        yield made * tbt_slo_s - (now - w.started_s) + left * gain_s, made, left
+
+
+class _BookedPrefills:
+    """The prefills booked on an instance, FCFS from ``now`` at their predicted (unscaled)
+    durations: which of them start before a given time, and their work and tokens."""
+
+    __slots__ = ("done_s", "starts", "tokens", "work")
+
+    def __init__(self, inst: InstanceState, now: float) -> None:
+        self.starts: list[float] = []
+        self.work = [0.0]  # cumulative predicted seconds
+        self.tokens = [0]  # cumulative prompt tokens
+        t = now
+        for w in inst.prefill_queue.values():
+            self.starts.append(t)
+            t += max(w.est_finish_s - max(w.est_start_s, now), 0.0)  # an overdue head: 0
+            self.work.append(t - now)
+            self.tokens.append(self.tokens[-1] + w.prompt_tokens)
+        self.done_s = t
+
+    def before(self, end_s: float, first: int) -> tuple[float, int]:
+        """Work and tokens of the prefills from index ``first`` on that start before
+        ``end_s``."""
+        k = max(bisect_left(self.starts, end_s, lo=first), first)
+        return self.work[k] - self.work[first], self.tokens[k] - self.tokens[first]
 
 
 def stalled_tbt(
@@ -74,46 +101,49 @@ def stalled_tbt(
     credit: float,
 ) -> float:
     """The highest mean TBT predicted, once ``option``'s prefill has run on ``inst`` (a
-    colocated instance), for a decode there that would meet ``tbt_slo_s`` without it: the
-    running decodes stall for the whole queue and this prefill, and each request queued
-    here (it decodes where it is prefilled) for what is queued after it and this one.
-    0.0 when no such decode is there. Decodes that miss the SLO with or without this
-    prefill are left out: it does not change their outcome, and counting them would turn
-    away every request on a loaded instance."""
+    colocated instance), for a decode there that would meet ``tbt_slo_s`` without it.
+
+    A decode stalls for the prefills that start before it ends (at its predicted remaining
+    tokens, decode-only steps): a running one for the booked queue's, a request queued here
+    (it decodes where it is prefilled) for those queued after it; the new prefill starts
+    after the queue and, on a full engine, when a sequence frees (``prefill_start_s``), so
+    a decode that ends before then is not its concern. The queue counts at its predicted
+    work, not ``option.queue_s``: the learned queue scale and the wait for a sequence are
+    time the decodes keep decoding through. 0.0 when no such decode is there. Decodes that
+    miss the SLO with or without this prefill are left out: it does not change their
+    outcome, and counting them would turn away every request on a loaded instance."""
     tau = tbt_slo_s
     if tau <= 0.0 or (not inst.running and not inst.incoming):
         return 0.0
     chunk = chunk_tokens(inst)
-    part = decode_part_s(inst)
+    step_cost = decode_part_s(inst) - tau  # each chunk step also yields a token
+
+    def steps(tokens: int) -> float:
+        return -(-tokens // chunk) * step_cost if tokens > 0 else 0.0
+
     d = inst.tbt_now() if inst.batch else inst.predictors.decode.step_time(1, 0)
     gain = (tau - d) * credit
     new_s = option.load_s + option.prefill_s
-    # The prefill work booked ahead, as predicted: not ``option.queue_s``, whose learned
-    # queue scale and wait for a free sequence are time the decodes keep decoding through.
-    ahead_s = max(inst.prefill_free_s(now) - now, 0.0)
+    booked = _BookedPrefills(inst, now)
+    start = max(inst.prefill_start_s(now), booked.done_s)
+
+    def stalled(slack: float, tokens: float, end_s: float, first: int) -> float:
+        """The mean TBT of one decode after this prefill; 0.0 when it is not its concern."""
+        if start >= end_s:
+            return 0.0  # done before this prefill starts
+        work, queued = booked.before(end_s, first)
+        if slack < work + steps(queued):
+            return 0.0  # the queue alone takes it past the SLO
+        return tau + (work + new_s + steps(queued + new_tokens) - slack) / tokens
+
     worst = 0.0
-    # Running decodes: the whole queue, then this prefill.
-    queued = inst.queued_tokens
-    before = ahead_s + -(-queued // chunk) * (part - tau) if queued else ahead_s
-    cost = ahead_s + new_s + -(-(queued + new_tokens) // chunk) * (part - tau)
-    for slack, tokens in running_slack(inst, now, tau, gain):
-        if slack >= before:
-            worst = max(worst, tau + (cost - slack) / tokens)
-    # Requests queued here: what runs after their own prefill, then this one.
-    after_s = ahead_s
-    after_tok = queued
-    for rid, w in inst.prefill_queue.items():
-        after_s -= max(w.est_finish_s - max(w.est_start_s, now), 0.0)
-        after_tok -= w.prompt_tokens
+    for slack, made, left in running_slack(inst, now, tau, gain):
+        worst = max(worst, stalled(slack, made + left, now + left * d, 0))
+    for i, rid in enumerate(inst.prefill_queue):
         dw = inst.incoming.get(rid)
         if dw is None or dw.predicted_output <= 1:
             continue
-        slack = dw.predicted_output * gain
-        ahead = max(after_s, 0.0)
-        left = max(after_tok, 0)
-        before = ahead + (-(-left // chunk) * (part - tau) if left else 0.0)
-        cost = ahead + new_s + -(-(left + new_tokens) // chunk) * (part - tau)
-        if slack < before:
-            continue
-        worst = max(worst, tau + (cost - slack) / dw.predicted_output)
+        out = dw.predicted_output
+        begins = now + booked.work[i + 1]  # its prefill done
+        worst = max(worst, stalled(out * gain, out, begins + out * d, i + 1))
     return worst

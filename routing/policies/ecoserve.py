@@ -259,7 +259,7 @@ class RollingActivationPolicy(PolicyBase):
         # Running decodes: saved slack so far plus what they will still save.
         steps = -(-(inst.queued_tokens + new_tokens) // chunk)
         stall = (opt.queue_s + new_s + steps * (part - tpot_slo)) * margin
-        for slack, _ in running_slack(inst, now, tpot_slo, gain):
+        for slack, _, _ in running_slack(inst, now, tpot_slo, gain):
             if slack >= 0.0:  # past saving: a prefill no longer changes its outcome
                 heads.append(slack - stall)
         if not heads:

@@ -91,9 +91,9 @@ def test_running_slack_counts_the_steps_since_the_last_report() -> None:
     i = colocated()
     decoding(i, "r", output=100, made=10, now=1.0)
     # 0.2 s later the step clock (20 ms steps) says 10 more tokens were made.
-    [(slack, tokens)] = list(running_slack(i, 1.2, TAU, gain_s=0.0))
+    [(slack, made, left)] = list(running_slack(i, 1.2, TAU, gain_s=0.0))
     assert slack == pytest.approx(20 * TAU - 1.2)
-    assert tokens == pytest.approx(100)
+    assert (made, left) == pytest.approx((20, 80))
     assert decode_part_s(i) == 0.0
 
 
@@ -107,3 +107,22 @@ def test_the_stall_is_the_booked_prefill_work_not_the_scaled_wait() -> None:
     assert stalled_tbt(i, scaled, 500, 1.0, TAU, credit=1.0) == pytest.approx(
         TAU + (1.5 - 0.2 - 7.2) / 100
     )
+
+
+def test_a_decode_done_before_the_prefill_starts_does_not_count() -> None:
+    i = colocated()
+    decoding(i, "r", output=100, made=95, now=1.0)  # 25 more expected: done at 1.5
+    assert stalled_tbt(i, option(i), 500, 1.0, TAU, credit=0.0) > 0.0
+    i.enqueue_prefill("q", 1.0, 900, now=1.0, ready_s=1.0)  # the new prefill starts at 2.0
+    assert stalled_tbt(i, option(i, queue_s=1.0), 500, 1.0, TAU, credit=0.0) == 0.0
+
+
+def test_on_a_full_engine_the_prefill_waits_for_a_sequence_and_spares_the_one_leaving() -> None:
+    i = replace(colocated(), max_batch=2)  # llama.cpp's -np 2
+    decoding(i, "short", output=8, made=6, now=0.55)  # leaves after 2 more steps, at 0.59
+    decoding(i, "long", output=400, made=6, now=0.55)
+    assert i.prefill_start_s(0.55) == pytest.approx(0.59)
+    # Both saved 6 x 0.1 - 0.55 = 0.05 s; the prefill (0.4 s of slack in one step) reaches
+    # only the long one: spread over its 400 tokens. Counting the short one would give
+    # 0.1 + 0.35 / 8 = 0.144 s.
+    assert stalled_tbt(i, option(i), 500, 0.55, TAU, credit=0.0) == pytest.approx(TAU + 0.35 / 400)
