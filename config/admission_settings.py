@@ -154,7 +154,8 @@ class PrefillStallSettings:
     does to the decodes already there (routing/prefill_stall.py), counting on ``credit`` of
     their future TBT slack (routing/stall_credit.py; measured in docs/experiments.md §2.7).
     With ``adaptive``, over each ``window`` finished decodes of a model's colocated
-    instances, a share over the TBT SLO above ``target_miss`` multiplies the credit by
+    instances, a share over the TBT SLO for the prefills they sat through (without those
+    they would have met it) above ``target_miss`` multiplies the credit by
     ``lower_factor`` and one under half of it adds ``raise_step``, within [0, ``max_credit``];
     it starts at ``credit``."""
 

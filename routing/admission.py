@@ -235,14 +235,18 @@ class Admission:
         settings = self.settings.tbt_headroom
         return _for_model(self.tbt_headroom, model, TBTHeadroomControl, settings)
 
-    def observe_decode(self, model: str | None, missed: bool, colocated: bool = False) -> None:
+    def observe_decode(
+        self, model: str | None, missed: bool, stall_missed: bool | None = None
+    ) -> None:
         """A decode this admission let in finished (``missed``: over its TBT SLO) or was
-        refused by its engine (missed); only the SLO modes learn from it. ``colocated``: it
-        decoded where it was prefilled, beside the prefills the stall check let in."""
+        refused by its engine (missed); only the SLO modes learn from it. ``stall_missed``:
+        for a decode that ran beside the prefills the stall check let in (colocated), whether
+        it missed because of them; a miss they did not make is not the check's to learn from
+        (an engine stalled by its host, an output much longer than predicted)."""
         if self.settings.mode in SLO_MODES:
             self.headroom_for(model).observe(missed)
-            if colocated and self.settings.prefill_stall.enabled:
-                self.stall_credit_for(model).observe(missed)
+            if stall_missed is not None and self.settings.prefill_stall.enabled:
+                self.stall_credit_for(model).observe(stall_missed)
 
     def stall_credit_for(self, model: str | None) -> StallCreditControl:
         settings = self.settings.prefill_stall

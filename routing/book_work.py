@@ -30,6 +30,7 @@ class DecodeWork:
     finish_step: float = 0.0
     generated: int = 0
     started_s: float | None = None  # None while the prefill is still running
+    stall_mark_s: float = 0.0  # the instance's ``prefilled_s`` when it started decoding
 
     @property
     def context_tokens(self) -> int:

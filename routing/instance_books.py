@@ -47,6 +47,9 @@ class InstanceState:
     queued_tokens: int = 0
     queued_prefill_s: float = 0.0  # predicted durations of the prefills in the queue, summed
     queue_scale: float = 1.0  # learned from answers (predictors/queue_scale.py); 1 = as booked
+    # Predicted work of the prefills finished here, summed: a decode's share of it is the
+    # prefill stall it sat through (colocated; DecodeWork.stall_mark_s).
+    prefilled_s: float = 0.0
     incoming: dict[str, DecodeWork] = field(default_factory=dict)
     incoming_tokens: int = 0  # prompt tokens of the requests heading here
     _committed: float | None = None  # committed_tbt(0) once asked for; None after a change
@@ -155,6 +158,7 @@ class InstanceState:
         if work is None:
             return None
         self._dequeued(work)
+        self.prefilled_s += work.duration_s
         # FCFS: the next queued prefill starts now; re-anchor the estimate on what remains.
         t = now
         for w in self.prefill_queue.values():
@@ -256,6 +260,7 @@ class InstanceState:
         self._by_arrival.remove(work.est_arrival_s, work)
         work.started_s = now
         work.est_arrival_s = now
+        work.stall_mark_s = self.prefilled_s
         work.finish_step = self.step_clock(now) + work.expected_remaining()
         self.running[request_id] = work
         self._by_finish.add(work.finish_step, work)

@@ -36,6 +36,7 @@ class RequestRecord:
     first_token_s: float | None = None
     tokens: int = 0
     routed: tuple[int, ...] = ()  # blocks the route added to the prefill instance's view
+    stall_s: float | None = None  # predicted prefill work its decode sat through (colocated)
 
 
 class RequestProgress:
@@ -244,9 +245,12 @@ class RequestProgress:
             if tbt_s is None and decode_timed and first is not None and out > 1:
                 tbt_s = (now - first) / (out - 1)
             if tbt_s is not None:
-                missed = tbt_s > rec.decision.slo_tbt_s
-                colocated = rec.decision.decode == rec.decision.prefill
-                self.admission.observe_decode(rec.request.model, missed, colocated)
+                slo = rec.decision.slo_tbt_s
+                stall_missed = None  # not colocated: no prefill ran beside it
+                if rec.decision.decode == rec.decision.prefill and rec.stall_s is not None:
+                    # Missed because of the prefills it sat through: it met its SLO without them.
+                    stall_missed = tbt_s > slo and tbt_s - rec.stall_s / max(out - 1, 1) <= slo
+                self.admission.observe_decode(rec.request.model, tbt_s > slo, stall_missed)
         for hook in self.after_finished:  # its decode room is free (gateway/decode_waits.py)
             hook(now)
 
@@ -348,5 +352,7 @@ class RequestProgress:
             prefill.inbound_bytes = max(prefill.inbound_bytes - rec.pull_bytes, 0.0)
         decode = self.instances.get(rec.decision.decode)
         if decode is not None:
-            decode.remove_decode(request_id, now)
+            work = decode.remove_decode(request_id, now)
+            if work is not None and work.started_s is not None:
+                rec.stall_s = decode.prefilled_s - work.stall_mark_s
         return rec

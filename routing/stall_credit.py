@@ -12,7 +12,10 @@ colocated: the best fixed credit was 0.1-0.15 with the default profile and 0.25 
 §2.7). Each served model keeps its own, learned as the TBT headroom is: over each window of
 finished colocated decodes, a share of misses above ``target_miss`` multiplies the credit by
 ``lower_factor``, one under half of it raises it by ``raise_step``, within [0, ``max_credit``].
-No clock: outcomes are counted.
+A miss counts only when the prefills the decode sat through made it (without their predicted
+work it would have met the SLO; RequestProgress.finished): an engine stalled by its host
+misses whatever the check does, and learning from that only turned requests away (two vLLM
+CPU engines on two shared cores, docs/real-engines.md). No clock: outcomes are counted.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ class StallCreditControl:
             self.credit = self.settings.credit
 
     def observe(self, missed: bool) -> None:
-        """One finished decode of a colocated instance (``missed``: over its TBT SLO)."""
+        """One finished decode of a colocated instance (``missed``: over its TBT SLO because
+        of the prefills it sat through)."""
         s = self.settings
         miss = self.outcomes.add(missed, s.window) if s.adaptive else None
         if miss is None:

@@ -4,6 +4,8 @@ KV index."""
 
 from __future__ import annotations
 
+import pytest
+
 from routing.conductor import Conductor
 from routing.types import Decision
 from tests.routing.fleet import BLOCK, hold, make_conductor, prompt, request
@@ -70,3 +72,30 @@ def test_a_pd_request_moves_only_its_decode_to_the_decode_instance_that_served()
     c.first_token("s", 1.0)
     c.finished("s", 2.0, output_tokens=3)
     assert not c.requests and all(not i.running and not i.incoming for i in c.instances.values())
+
+
+def test_a_colocated_decode_teaches_the_stall_credit_only_the_misses_its_neighbours_made() -> None:
+    from dataclasses import replace
+
+    from config.admission_settings import PrefillStallSettings
+    from config.settings import AdmissionMode
+
+    c = make_conductor(prefill=0, decode=0, colocated=1, admission=AdmissionMode.EARLY)
+    stall = PrefillStallSettings(window=1, raise_step=0.1, lower_factor=0.5)
+    c.apply_settings(
+        replace(c.settings, admission=replace(c.settings.admission, prefill_stall=stall))
+    )
+    credit = c.admission.stall_credit_for(None)
+
+    def decode_beside_a_prefill(rid: str, tbt_s: float) -> None:
+        d = _placed(c, rid, prompt(ord(rid[0]), 4))
+        c.prefill_done(rid, 0.1)
+        c.instances["c0"].enqueue_prefill("neighbour", 1.0, 1024, 0.1, 0.1)  # 1 s predicted
+        c.instances["c0"].finish_prefill("neighbour", 1.1)
+        c.finished(rid, 2.1, output_tokens=11, tbt_s=tbt_s)  # 10 gaps: the 1 s is 0.1 s each
+        assert c.requests.get(rid) is None and d.decode == "c0"
+
+    decode_beside_a_prefill("a", 0.15)  # 0.15 - 0.1 = 0.05 <= 0.1: the stall made the miss
+    assert credit.credit == pytest.approx(0.05) and credit.lowered == 1
+    decode_beside_a_prefill("b", 0.25)  # 0.25 - 0.1 > 0.1: it missed anyway
+    assert credit.credit == pytest.approx(0.15) and credit.raised == 1

@@ -49,9 +49,12 @@ def test_admission_feeds_it_the_colocated_decodes_only() -> None:
     settings = AdmissionSettings(mode=AdmissionMode.PREDICTIVE, prefill_stall=SETTINGS)
     a = Admission(settings)
     for _ in range(10):
-        a.observe_decode("m", True)  # a P/D decode: not the stall check's doing
+        a.observe_decode("m", True)  # a P/D decode: not the stall check's to learn from
     assert a.stall_credit_for("m").credit == 0.2
     for _ in range(10):
-        a.observe_decode("m", True, colocated=True)
-    assert a.stall_credit_for("m").credit == pytest.approx(0.1)
+        a.observe_decode("m", True, stall_missed=False)  # missed, but not for the stalls
+    assert a.stall_credit_for("m").credit == pytest.approx(0.25)  # a clean window for it
+    for _ in range(10):
+        a.observe_decode("m", True, stall_missed=True)
+    assert a.stall_credit_for("m").credit == pytest.approx(0.125)
     assert a.stall_credit_for("other").credit == 0.2  # per served model
