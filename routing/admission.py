@@ -250,7 +250,7 @@ class Admission:
 
     def stall_credit_for(self, model: str | None) -> StallCreditControl:
         settings = self.settings.prefill_stall
-        return _for_model(self.stall_credits, model, StallCreditControl, settings)
+        return _for_model(self.stall_credits, model, StallCreditControl.start, settings)
 
     def wait_margin_for(self, model: str | None) -> WaitMarginControl:
         return _for_model(self.wait_margins, model, WaitMarginControl, self.settings.wait_margin)

@@ -29,14 +29,15 @@ from routing.miss_window import MissWindow
 @dataclass(slots=True)
 class StallCreditControl:
     settings: PrefillStallSettings
-    credit: float = -1.0  # from the settings' ``credit`` at construction
+    credit: float
     raised: int = 0
     lowered: int = 0
     outcomes: MissWindow = field(default_factory=MissWindow)
 
-    def __post_init__(self) -> None:
-        if self.credit < 0.0:
-            self.credit = self.settings.credit
+    @classmethod
+    def start(cls, settings: PrefillStallSettings) -> StallCreditControl:
+        """At the configured credit."""
+        return cls(settings, settings.credit)
 
     def observe(self, missed: bool) -> None:
         """One finished decode of a colocated instance (``missed``: over its TBT SLO because

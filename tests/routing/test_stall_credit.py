@@ -16,7 +16,7 @@ def feed(control: StallCreditControl, misses: int, total: int = 10) -> None:
 
 
 def test_starts_at_the_configured_credit_and_moves_once_per_window() -> None:
-    c = StallCreditControl(SETTINGS)
+    c = StallCreditControl.start(SETTINGS)
     assert c.credit == 0.2
     feed(c, 0, 9)
     assert c.credit == 0.2  # the window is not full yet
@@ -25,7 +25,7 @@ def test_starts_at_the_configured_credit_and_moves_once_per_window() -> None:
 
 
 def test_a_window_over_the_target_lowers_it_and_a_clean_one_raises_it_to_the_cap() -> None:
-    c = StallCreditControl(SETTINGS)
+    c = StallCreditControl.start(SETTINGS)
     feed(c, 2)  # 20 % > 10 %
     assert c.credit == pytest.approx(0.1) and c.lowered == 1
     feed(c, 1)  # 10 %: neither over the target nor under half of it
@@ -36,7 +36,7 @@ def test_a_window_over_the_target_lowers_it_and_a_clean_one_raises_it_to_the_cap
 
 
 def test_fixed_credit_when_not_adaptive() -> None:
-    c = StallCreditControl(PrefillStallSettings(credit=0.4, adaptive=False, window=2))
+    c = StallCreditControl.start(PrefillStallSettings(credit=0.4, adaptive=False, window=2))
     feed(c, 2, 6)
     assert c.credit == 0.4 and c.raised == c.lowered == 0
 
