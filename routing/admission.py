@@ -252,6 +252,13 @@ class Admission:
         settings = self.settings.prefill_stall
         return _for_model(self.stall_credits, model, StallCreditControl.start, settings)
 
+    def stall_credit(self, model: str | None) -> float | None:
+        """The credit the colocated prefill-stall check counts on for ``model``; None when
+        the check is off (disabled, or a mode that checks no SLO)."""
+        if not self.settings.prefill_stall.enabled or self.settings.mode not in SLO_MODES:
+            return None
+        return self.stall_credit_for(model).credit
+
     def wait_margin_for(self, model: str | None) -> WaitMarginControl:
         return _for_model(self.wait_margins, model, WaitMarginControl, self.settings.wait_margin)
 

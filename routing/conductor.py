@@ -200,9 +200,7 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             and self.policy.late_decode_binding
             and prefill.decode_after_prefill,
             self.admission.tbt_floor_s(slo),
-            self.admission.stall_credit_for(req.model).credit
-            if self.settings.admission.prefill_stall.enabled and not has_decode_pool
-            else None,
+            None if has_decode_pool else self.admission.stall_credit(req.model),
         )
         if decode is None:
             return self._reject_capacity(req, slo, option)

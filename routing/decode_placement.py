@@ -49,7 +49,7 @@ def place_decode(
     if not decode_pool:  # colocated: decode where the prefill ran
         tbt = prefill.tbt_now(1, req.prompt_tokens)
         check = tbt
-        if ctx.slo is not None and stall_credit is not None and mode is not AdmissionMode.NONE:
+        if ctx.slo is not None and stall_credit is not None:
             # Its prefill stalls the decodes already there (routing/prefill_stall.py).
             new_tokens = req.prompt_tokens - option.cached_tokens
             stalled = stalled_tbt(prefill, option, new_tokens, ctx.now, ctx.slo.tbt_s, stall_credit)

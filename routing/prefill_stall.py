@@ -106,7 +106,7 @@ def stalled_tbt(
     A decode stalls for the prefills that start before it ends (at its predicted remaining
     tokens, decode-only steps): a running one for the booked queue's, a request queued here
     (it decodes where it is prefilled) for those queued after it; the new prefill starts
-    after the queue and, on a full engine, when a sequence frees (``prefill_start_s``), so
+    after the queue and, on a full engine, when a sequence frees (``option.queue_s``), so
     a decode that ends before then is not its concern. The queue counts at its predicted
     work, not ``option.queue_s``: the learned queue scale and the wait for a sequence are
     time the decodes keep decoding through. 0.0 when no such decode is there. Decodes that
@@ -125,7 +125,8 @@ def stalled_tbt(
     gain = (tau - d) * credit
     new_s = option.load_s + option.prefill_s
     booked = _BookedPrefills(inst, now)
-    start = max(inst.prefill_start_s(now), booked.done_s)
+    # The option's wait, unscaled: queue_time already waited for a sequence on a full engine.
+    start = max(now + option.queue_s / inst.queue_scale, booked.done_s)
 
     def stalled(slack: float, tokens: float, end_s: float, first: int) -> float:
         """The mean TBT of one decode after this prefill; 0.0 when it is not its concern."""

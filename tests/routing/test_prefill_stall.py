@@ -125,4 +125,5 @@ def test_on_a_full_engine_the_prefill_waits_for_a_sequence_and_spares_the_one_le
     # Both saved 6 x 0.1 - 0.55 = 0.05 s; the prefill (0.4 s of slack in one step) reaches
     # only the long one: spread over its 400 tokens. Counting the short one would give
     # 0.1 + 0.35 / 8 = 0.144 s.
-    assert stalled_tbt(i, option(i), 500, 0.55, TAU, credit=0.0) == pytest.approx(TAU + 0.35 / 400)
+    placed = option(i, queue_s=i.queue_time(0.55))  # the estimator's wait for the slot
+    assert stalled_tbt(i, placed, 500, 0.55, TAU, credit=0.0) == pytest.approx(TAU + 0.35 / 400)
