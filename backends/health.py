@@ -8,7 +8,9 @@ A refused connection is not like a slow answer: nothing listens on the port (the
 or was killed), so it ejects at once, both as a probe result and as a request's failure
 (``CircuitBreaker.trip``). A probe that times out counts as one failure, and not even that
 when real traffic to the instance succeeded meanwhile: a busy engine answers ``/health``
-late (vLLM on CPU under load) but is alive.
+late (vLLM on CPU under load) but is alive. An ejected instance is probed more often than
+the rest (Envoy's ``unhealthy_interval``), so an engine back from a stall rejoins within
+seconds, not two full intervals later.
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ class HealthChecker:
     ``healthy_after`` consecutive successes are needed to flip, so one slow answer does not
     flap an instance in and out of the pool. A refused connection flips at once; a timeout is
     forgiven when real traffic got an answer from the instance since the previous probe.
+    An ejected instance is probed every ``recheck_s`` (at most ``interval_s``) between rounds:
+    it is the only way back in, and every second it stays out after its engine recovered is a
+    second of refused requests when it is a pool's only instance.
     Defaults (SMG): 60 s interval, 5 s timeout.
     """
 
@@ -145,6 +150,7 @@ class HealthChecker:
         *,
         interval_s: float = 60.0,
         timeout_s: float = 5.0,
+        recheck_s: float = 1.0,
         unhealthy_after: int = 3,
         healthy_after: int = 2,
         on_change: Callable[[str, bool], None],
@@ -153,11 +159,8 @@ class HealthChecker:
     ) -> None:
         if unhealthy_after < 1 or healthy_after < 1:
             raise ValueError("unhealthy_after and healthy_after must be >= 1")
-        if interval_s <= 0 or timeout_s <= 0:
-            raise ValueError("interval_s and timeout_s must be positive")
         self._session = session
-        self.interval_s = interval_s
-        self._timeout_s = timeout_s
+        self.set_timing(interval_s, timeout_s, recheck_s)
         self._unhealthy_after = unhealthy_after
         self._healthy_after = healthy_after
         self._on_change = on_change
@@ -172,11 +175,13 @@ class HealthChecker:
     def timeout_s(self) -> float:
         return self._timeout_s
 
-    def set_timing(self, interval_s: float, timeout_s: float) -> None:
-        """New interval and timeout (a configuration reload), from the next round on."""
-        if interval_s <= 0 or timeout_s <= 0:
-            raise ValueError("interval_s and timeout_s must be positive")
+    def set_timing(self, interval_s: float, timeout_s: float, recheck_s: float = 1.0) -> None:
+        """New interval, timeout and recheck period (a configuration reload), from the next
+        round on."""
+        if interval_s <= 0 or timeout_s <= 0 or recheck_s <= 0:
+            raise ValueError("interval_s, timeout_s and recheck_s must be positive")
         self.interval_s, self._timeout_s = interval_s, timeout_s
+        self.recheck_s = min(recheck_s, interval_s)
 
     def mark_alive(self, instance_id: str, now: float) -> None:
         """Real traffic got an answer from the instance (a late probe is then not held
@@ -234,9 +239,15 @@ class HealthChecker:
         for iid in self._targets:
             self._health.setdefault(iid, TargetHealth())
 
-    async def check_once(self) -> dict[str, bool]:
-        """Probe every target concurrently; returns the (post-hysteresis) health of each."""
-        targets = dict(self._targets)  # snapshot: set_targets may run while we await
+    def ejected(self) -> list[str]:
+        """The targets currently held out (known unhealthy)."""
+        return [iid for iid, h in self._health.items() if h.healthy is False]
+
+    async def check_once(self, only: list[str] | None = None) -> dict[str, bool]:
+        """Probe every target (or those in ``only``) concurrently; returns the
+        (post-hysteresis) health of each probed."""
+        # A snapshot: set_targets may run while we await.
+        targets = {i: u for i, u in self._targets.items() if only is None or i in only}
         started = self._clock()
         results = await asyncio.gather(*(self._probe(url) for url in targets.values()))
         now = self._clock()
@@ -250,12 +261,20 @@ class HealthChecker:
         return out
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Check every ``interval_s`` (start to start) until ``stop`` is set."""
+        """Check every target every ``interval_s`` (start to start), and the ejected ones every
+        ``recheck_s`` in between, until ``stop`` is set."""
         loop = asyncio.get_running_loop()
+        next_round = loop.time()
         while not stop.is_set():
-            started = loop.time()
-            await self.check_once()
-            remaining = self.interval_s - (loop.time() - started)
+            if loop.time() >= next_round:
+                next_round = loop.time() + self.interval_s
+                await self.check_once()
+            else:
+                await self.check_once(self.ejected())
+            wake = next_round
+            if self.ejected():
+                wake = min(wake, loop.time() + self.recheck_s)
+            remaining = wake - loop.time()
             if remaining > 0:
                 with contextlib.suppress(TimeoutError):  # the normal case: a full interval
                     await asyncio.wait_for(stop.wait(), timeout=remaining)

@@ -303,6 +303,10 @@ class ServerSettings:
     # engine (vLLM on CPU under load) answers late but is alive. A refused connection ejects
     # at once, whatever this says.
     health_timeout_s: float = 5.0
+    # An ejected instance is probed this often (at most every health_interval_s) and rejoins
+    # after two passes in a row: an engine back from a stall (a NIXL read held for a 30 s lease
+    # on vLLM CPU) is routed to again within seconds.
+    health_recheck_s: float = 1.0
     # An engine that accepted a request and then sends no byte for
     # clamp(max(silence_predicted_factor x predicted TTFT, silence_slo_factor x TTFT SLO),
     # silence_min_s, silence_max_s) seconds is aborted: 504 (or an SSE error event once the

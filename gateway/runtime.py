@@ -219,9 +219,9 @@ class Gateway:
         """Swap SLOs, policy, admission, replication, timeouts live (already validated)."""
         self.conductor.apply_settings(settings)
         self.settings = settings
-        if self.legs.checker is not None:
+        if (checker := self.legs.checker) is not None:
             srv = settings.server
-            self.legs.checker.set_timing(srv.health_interval_s, srv.health_timeout_s)
+            checker.set_timing(srv.health_interval_s, srv.health_timeout_s, srv.health_recheck_s)
 
     async def parse(
         self, path: str, raw: bytes, headers: Mapping[str, str], request_id: str
@@ -299,6 +299,7 @@ class Gateway:
             self._health_targets(),
             interval_s=srv.health_interval_s,
             timeout_s=srv.health_timeout_s,
+            recheck_s=srv.health_recheck_s,
             on_change=self.legs.changed,
             clock=self.clock,
         )

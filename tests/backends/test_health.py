@@ -390,8 +390,47 @@ def test_set_timing_validates_and_applies() -> None:
         async with aiohttp.ClientSession() as session:
             hc = HealthChecker(session, {}, on_change=lambda i, ok: None, clock=lambda: 0.0)
             hc.set_timing(3.0, 7.5)
-            assert (hc.interval_s, hc.timeout_s) == (3.0, 7.5)
+            assert (hc.interval_s, hc.timeout_s, hc.recheck_s) == (3.0, 7.5, 1.0)
+            hc.set_timing(0.5, 1.0, 2.0)
+            assert hc.recheck_s == 0.5  # never rarer than a full round
             with pytest.raises(ValueError):
                 hc.set_timing(1.0, 0.0)
+            with pytest.raises(ValueError):
+                hc.set_timing(1.0, 1.0, 0.0)
+
+    arun(main())
+
+
+def test_an_ejected_instance_is_rechecked_between_rounds_and_rejoins_in_seconds() -> None:
+    """Rounds 60 s apart, rechecks 20 ms apart: an engine back from a stall is routed to again
+    after two quick passes, not two rounds later; the healthy one is not probed in between."""
+
+    async def main() -> None:
+        changes: list[tuple[str, bool]] = []
+        stop = asyncio.Event()
+        async with engines("a", "b") as e, aiohttp.ClientSession() as session:
+            e.healthy["a"] = False
+            hc = HealthChecker(
+                session,
+                {"a": e.url("a"), "b": e.url("b")},
+                interval_s=60.0,
+                timeout_s=0.5,
+                recheck_s=0.02,
+                on_change=lambda i, ok: changes.append((i, ok)),
+                clock=lambda: 0.0,
+            )
+            task = asyncio.create_task(hc.run(stop))
+            try:
+                await _until(lambda: ("a", False) in changes)
+                assert hc.ejected() == ["a"]
+                await _until(lambda: e.calls["a"] >= 4)  # rechecked, still failing: still out
+                assert hc.healthy("a") is False
+                e.healthy["a"] = True
+                await _until(lambda: ("a", True) in changes, timeout_s=2.0)
+                assert hc.ejected() == []
+                assert e.calls["b"] == 1  # only the first round probed the healthy one
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, timeout=3)
 
     arun(main())

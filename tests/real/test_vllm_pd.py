@@ -19,6 +19,7 @@ from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, stop_engine
 from tests.real.pd_harness import (
     KvgateProcess,
+    all_instances_eligible,
     completions_served,
     kv_usage,
     leave_once_started,
@@ -126,6 +127,10 @@ def test_client_leaving_during_the_prefill_frees_the_prefill_blocks(
     blocks for unrecognized request ... were retrieved by a decode worker"), so the bound
     here is the lease; docs/real-engines.md section 4."""
     wait_for(lambda: kv_usage(pd_stack.prefill) == 0.0, STALL_S, "prefill engine idle")
+    # The test before this one stalls the decode engine directly (a NIXL read held ~26 s in a
+    # CI run): kvgate ejected it for three unanswered /health probes, rightly, and the client
+    # must not come before kvgate routes to it again.
+    wait_for(lambda: all_instances_eligible(pd_stack.gateway), STALL_S, "both engines routed")
     before = prompt_tokens_by_source(pd_stack.prefill)["local_compute"]
     pulled = prompt_tokens_by_source(pd_stack.decode)["external_kv_transfer"]
     served = completions_served(pd_stack.decode)
