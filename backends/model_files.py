@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from backends.fast_bpe import stretch_encoder
 from backends.tokenizer_file import load_tokenizer
 from config.errors import KvgateError
 from config.settings import RoutingSettings
@@ -130,10 +131,11 @@ def _load_tokenizer(path: Path) -> Any:
 
 
 def load_prompt_encoder(
-    model_dir: str | Path, *, segment_cache_bytes: int = 32 << 20
+    model_dir: str | Path, *, segment_cache_bytes: int = 32 << 20, tiktoken: bool = True
 ) -> EnginePromptEncoder:
     """The engine-exact encoder of the model in ``model_dir`` (``segment_cache_bytes``: the
-    bound of its memo of tokenized prompt stretches; 0 = none)."""
+    bound of its memo of tokenized prompt stretches, 0 = none; ``tiktoken``: run a byte-level
+    BPE's stretches on tiktoken where it gives the same ids)."""
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelFilesError(f"model directory not found: {root}")
@@ -153,15 +155,18 @@ def load_prompt_encoder(
         default,
         tool_template=templates.get("tool_use"),
         segment_cache_bytes=segment_cache_bytes,
+        stretches=stretch_encoder(tokenizer) if tiktoken else None,
     )
 
 
 def make_prompt_encoder(routing: RoutingSettings) -> PromptEncoder:
     """Exact when ``routing.model_dir`` is set; else the approximate tokenizer (said once)."""
     if routing.model_dir:
-        encoder = load_prompt_encoder(routing.model_dir)
+        encoder = load_prompt_encoder(routing.model_dir, tiktoken=routing.tiktoken)
         log.info(
-            "prompt identity: engine-exact tokenizer and chat template from %s", routing.model_dir
+            "prompt identity: engine-exact tokenizer and chat template from %s%s",
+            routing.model_dir,
+            " (text between added tokens on tiktoken)" if encoder.segments.fast else "",
         )
         return encoder
     tokenizer = load_tokenizer(routing.tokenizer_file, routing.chars_per_token)

@@ -179,6 +179,10 @@ class RoutingSettings:
     # With model_dir: a prompt with at least this many characters left to tokenize (not in
     # the segment cache) is tokenized in a worker thread, off the event loop; 0 = never.
     tokenize_offload_chars: int = 8192
+    # With model_dir: a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen 2 ...) runs on tiktoken
+    # for the text between added tokens, the same ids at ~1/3 of the CPU; checked against the
+    # tokenizers library on probe texts at start-up (backends/fast_bpe.py). False: tokenizers only.
+    tiktoken: bool = True
     seed: int = 0
     # llama.cpp instances: pin each request to the slot (``id_slot``) that holds its longest
     # prefix, waiting behind at most this many queued requests before taking another slot

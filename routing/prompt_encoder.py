@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from routing.chat_messages import engine_conversation, engine_tools
 from routing.chat_template import ChatTemplate, ChatTemplateError
 from routing.prompt import PromptError, chat_prompt_text
-from routing.token_segments import EngineTokenizer, SegmentedEncoder, token_ids
+from routing.token_segments import EngineTokenizer, SegmentedEncoder, StretchEncoder, token_ids
 from routing.tokenizer import Tokenizer, pack_token_ids
 
 CHAT_PATH = "/v1/chat/completions"
@@ -51,6 +51,7 @@ class PromptWork:
     else a stretch of a rendered chat between added tokens (routing/token_segments.py)."""
 
     tokenizer: EngineTokenizer
+    segments: SegmentedEncoder  # tokenizes the stretches (``whole`` False)
     jobs: tuple[tuple[str, bool, bool], ...]
 
     @property
@@ -61,7 +62,9 @@ class PromptWork:
         """The packed ids of each job; pure, so safe in a worker thread."""
         return [
             pack_token_ids(token_ids(self.tokenizer, text, add_special_tokens=add))
-            for text, add, _ in self.jobs
+            if whole
+            else self.segments.stretch(text)
+            for text, add, whole in self.jobs
         ]
 
 
@@ -179,11 +182,14 @@ class EnginePromptEncoder:
         *,
         tool_template: ChatTemplate | None = None,
         segment_cache_bytes: int = 32 << 20,
+        stretches: StretchEncoder | None = None,
     ) -> None:
         self._tok = tokenizer
         self._template = template
         self._tool_template = tool_template  # a model's named "tool_use" template, if any
-        self._segments = SegmentedEncoder(tokenizer, max_bytes=segment_cache_bytes)
+        self._segments = SegmentedEncoder(
+            tokenizer, max_bytes=segment_cache_bytes, stretches=stretches
+        )
         # Whole texts tokenized in another thread (``accept``), taken by the next encode.
         self._ready: OrderedDict[tuple[str, bool], bytes] = OrderedDict()
         # The chat ``prepare`` rendered last, for the ``encode`` of the same body right after.
@@ -217,7 +223,7 @@ class EnginePromptEncoder:
             jobs = self._jobs(path, body)
         except PromptError:
             return None
-        work = PromptWork(self._tok, tuple(jobs))
+        work = PromptWork(self._tok, self._segments, tuple(jobs))
         return work if jobs and work.chars >= min_chars else None
 
     def _jobs(self, path: str, body: Mapping[str, Any]) -> list[tuple[str, bool, bool]]:
@@ -304,4 +310,7 @@ class EnginePromptEncoder:
             raise PromptError(f"chat template: {exc}", "messages") from None
 
     def __repr__(self) -> str:
-        return f"EnginePromptEncoder(template={self._template!r}, segments={self._segments.exact})"
+        return (
+            f"EnginePromptEncoder(template={self._template!r}, segments={self._segments.exact}, "
+            f"fast_stretches={self._segments.fast})"
+        )

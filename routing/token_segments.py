@@ -24,6 +24,14 @@ from typing import Any, Protocol
 from routing.tokenizer import pack_token_ids
 
 
+class StretchEncoder(Protocol):
+    """Tokenizes text that holds no added token as ``EngineTokenizer.encode(text,
+    add_special_tokens=False)`` does, faster (backends/fast_bpe.py); pure, so safe in a worker
+    thread."""
+
+    def ids(self, text: str) -> list[int]: ...
+
+
 class EngineTokenizer(Protocol):
     """What kvgate uses of a ``tokenizers.Tokenizer``."""
 
@@ -71,10 +79,19 @@ class SegmentedEncoder:
     uint32 ids, stretches between added tokens memoized (at most ``max_bytes`` of text and
     ids held; least recently used dropped first)."""
 
-    __slots__ = ("_bytes", "_cache", "_max_bytes", "_split", "_tok", "_token_bytes", "exact")
+    __slots__ = (
+        "_bytes", "_cache", "_max_bytes", "_split", "_stretches", "_tok", "_token_bytes", "exact"
+    )  # fmt: skip
 
-    def __init__(self, tokenizer: EngineTokenizer, *, max_bytes: int = 32 << 20) -> None:
+    def __init__(
+        self,
+        tokenizer: EngineTokenizer,
+        *,
+        max_bytes: int = 32 << 20,
+        stretches: StretchEncoder | None = None,
+    ) -> None:
         self._tok = tokenizer
+        self._stretches = stretches  # a faster encoder of the stretches, if the model has one
         self._max_bytes = max_bytes
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
@@ -88,6 +105,8 @@ class SegmentedEncoder:
         pattern = "|".join(re.escape(c) for c in sorted(raw, key=len, reverse=True) if c)
         self._split = re.compile(f"({pattern})") if pattern else None
         self.exact = self._split is not None and self._provably_exact(tokenizer)
+        if self.exact and self._stretches is not None and not self._probe_agrees(list(raw)):
+            self._stretches = None  # the faster encoder's fault, not the split's
         if self.exact and not self._probe_agrees(list(raw)):
             self.exact = False
 
@@ -113,6 +132,18 @@ class SegmentedEncoder:
     @property
     def cached_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def fast(self) -> bool:
+        """Stretches go to a faster encoder than the tokenizer's own."""
+        return self.exact and self._stretches is not None
+
+    def stretch(self, text: str) -> bytes:
+        """The packed ids of a stretch (text without added tokens); pure, so safe in a worker
+        thread."""
+        if self._stretches is not None and self.exact:
+            return pack_token_ids(self._stretches.ids(text))
+        return pack_token_ids(token_ids(self._tok, text, add_special_tokens=False))
 
     def encode(self, text: str) -> bytes:
         if not self.exact:
@@ -151,7 +182,7 @@ class SegmentedEncoder:
             elif part:
                 ids = cache.get(part) if remember else None
                 if ids is None:
-                    ids = pack_token_ids(token_ids(self._tok, part, add_special_tokens=False))
+                    ids = self.stretch(part)
                     if remember:
                         self._remember(part, ids)
                 else:

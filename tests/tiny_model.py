@@ -32,14 +32,36 @@ _CORPUS = [
 ]
 
 
-@lru_cache(maxsize=4)
-def tokenizer_json(*, bos: bool = True, lstrip_token: bool = False) -> str:
-    """A trained byte-level BPE ``tokenizer.json`` (text: callers get fresh objects)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+@lru_cache(maxsize=8)
+def tokenizer_json(
+    *, bos: bool = True, lstrip_token: bool = False, split: str | None = None, nfc: bool = False
+) -> str:
+    """A trained byte-level BPE ``tokenizer.json`` (text: callers get fresh objects): GPT-2's
+    regex inside the ByteLevel pre-tokenizer, or ``split`` before one without it (Llama 3's
+    layout); ``nfc``: an NFC normalizer (Qwen 2's)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from tokenizers.trainers import BpeTrainer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     trainer = BpeTrainer(
         vocab_size=600,
