@@ -38,6 +38,7 @@ RESTART_KEYS: tuple[tuple[str, str | None], ...] = (
     ("server", "recent_decisions"),
     ("routing", "block_size"),
     ("routing", "model_dir"),
+    ("routing", "tiktoken"),
     ("routing", "tokenizer_file"),
     ("routing", "chars_per_token"),
     ("routing", "llamacpp_slot_max_waiting"),

@@ -66,7 +66,7 @@ def test_a_valid_file_is_applied_live(setup) -> None:
         _toml(
             instances=("w1", "w2"),
             ttft_s=2.5,
-            extra_server="health_timeout_s = 7.0\nsilence_min_s = 12.0",
+            extra_server="health_timeout_s = 7.0\nhealth_recheck_s = 0.5\nsilence_min_s = 12.0",
             block_size=32,
         )
     )
@@ -80,6 +80,7 @@ def test_a_valid_file_is_applied_live(setup) -> None:
     assert gw.conductor.settings.slo.ttft_s == 2.5 and gw.settings.slo.ttft_s == 2.5
     assert gw.settings.server.silence_min_s == 12.0
     assert gw.legs.checker is not None and gw.legs.checker.timeout_s == 7.0
+    assert gw.legs.checker.recheck_s == 0.5
     assert gw.settings.routing.block_size == 16  # the running key space stays
     assert [i.id for i in gw.settings.instances()] == ["w1", "w2"]
     # A changed instance (same id, another URL) is replaced.
