@@ -287,7 +287,9 @@ class TenantGate:
         # The TTFT as admission checked it: its wait stretched by the learned wait margin.
         margin = self.gw.conductor.admission.wait_margin_for(model)
         ttft = margin.ttft(d.predicted_ttft_s, d.predicted_queue_s) * adm.ttft_margin
-        tbt = d.predicted_tbt_s * adm.tbt_margin
+        # The TBT as admission checked it (forecast, or a colocated prefill's stall).
+        checked = d.predicted_tbt_s if d.checked_tbt_s is None else d.checked_tbt_s
+        tbt = checked * adm.tbt_margin
         checks = (
             (RejectReason.TTFT_SLO, "TTFT", ttft, keep * d.slo_ttft_s),
             (RejectReason.TBT_SLO, "TBT", tbt, keep_tbt * d.slo_tbt_s),

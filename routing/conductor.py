@@ -271,6 +271,7 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             pull_source=option.pull_source,
             best_effort=late,
             waits_for=self.planner.pulls_into(prefill.id, req, option.cached_tokens),
+            checked_tbt_s=tbt_check if tbt_check != tbt_now else None,
         )
 
     def _reject_unavailable(

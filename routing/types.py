@@ -122,6 +122,9 @@ class Decision:
     replications: tuple[ReplicationCommand, ...] = ()
     pull_source: str | None = None  # holder the prefix is pulled from, if any
     best_effort: bool = False  # admitted without the TTFT promise (routing/best_effort.py)
+    # The TBT admission checked, where it is not predicted_tbt_s: the forecast for when the
+    # request gets there (predictive), the stall its prefill leaves on a colocated engine.
+    checked_tbt_s: float | None = None
     # Pulls in flight to the prefill instance that carry prefix blocks this request counts
     # as cached there (another request's pull): its prefill starts after they land, or it
     # would recompute what it was predicted to reuse (HotspotPlanner.pulls_into).

@@ -309,15 +309,23 @@ def test_fair_share_sheds_the_over_share_tenant_first(keys_file: Path, clock: Fa
     assert gate.admit("a", "a8", _info("a8"), now) is None
     assert isinstance(gate.screen(waits, _info("a8"), now), Rejection)  # 0.4 + 0.2 > 0.5
     app.gateway.conductor.admission.wait_margin_for(None).factor = 1.0
+    # The TBT as admission checked it counts, not the decode-only one: on a colocated engine
+    # a's prefill would stall the decodes there to 80 % of the TBT SLO (over a's 50 %).
+    stalls = replace(_decision("a9", 0.1), checked_tbt_s=0.08)
+    assert gate.admit("a", "a9", _info("a9"), now) is None
+    out = gate.screen(stalls, _info("a9"), now)
+    assert isinstance(out, Rejection) and out.reason.value == "tbt_slo"
+    assert gate.admit("b", "b1", _info("b1"), now) is None  # b, within its share: admitted
+    assert isinstance(gate.screen(replace(stalls, request_id="b1"), _info("b1"), now), Decision)
     # With fair_share off, a is only held to the SLO.
     gate.apply(replace(gate.cfg, fair_share=False))
     assert gate.admit("a", "a7", _info("a7"), now) is None
     assert isinstance(gate.screen(_decision("a7", 0.8), _info("a7"), now), Decision)
-    for rid in ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8", "b0"):
+    for rid in ("a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8", "a9", "b0", "b1"):
         gate.leave(rid)
     assert all(st.in_flight == 0 for st in gate.states.values())
     metrics = app.gateway.metrics.render().decode()
-    assert 'kvgate_tenant_over_share_rejections_total{tenant="a"} 2.0' in metrics
+    assert 'kvgate_tenant_over_share_rejections_total{tenant="a"} 3.0' in metrics
 
 
 def test_end_to_end_on_emulators_metrics_and_admin() -> None:
