@@ -162,21 +162,22 @@ def run_mode(
         "queue_scales": predictors.get("queue_scales"),
         "wait_margin": state.get("wait_margin"),  # routing/wait_margin.py, per model
         "stall_credit": state.get("stall_credit"),  # routing/stall_credit.py, per model
-        "ttft_error_last_decisions": ttft_error(decisions),
+        "ttft_error_last_decisions": prediction_error(decisions, "ttft"),
+        "gateway_tbt_mape_pct": predictors.get("tbt_mape_pct"),
+        "tbt_error_last_decisions": prediction_error(decisions, "tbt"),
         "late_last_decisions": late_decisions(decisions, args.ttft_slo),
         "books_end": books,
         "gateway_tracebacks": tracebacks,
     }
 
 
-def ttft_error(decisions: list[dict[str, Any]]) -> dict[str, Any]:
-    """Predicted vs observed TTFT of the requests the gateway placed and saw answered (its
-    recent decisions: the end of the overload phase): signed (predicted − observed) / observed,
-    median and p10 / p90 (negative: the gateway expected the first token sooner)."""
+def prediction_error(decisions: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    """Predicted vs observed TTFT or mean TBT (``what``) of the requests the gateway placed and
+    saw answered (its recent decisions: the end of the overload phase): signed (predicted −
+    observed) / observed, median and p10 / p90 (negative: the gateway expected it sooner)."""
+    pred, seen = f"predicted_{what}_s", f"observed_{what}_s"
     errors = sorted(
-        (d["predicted_ttft_s"] - d["observed_ttft_s"]) / d["observed_ttft_s"]
-        for d in decisions
-        if d.get("observed_ttft_s") and d.get("predicted_ttft_s") is not None
+        (d[pred] - d[seen]) / d[seen] for d in decisions if d.get(seen) and d.get(pred) is not None
     )
     if not errors:
         return {"n": 0}

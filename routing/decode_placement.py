@@ -54,7 +54,11 @@ def place_decode(
             new_tokens = req.prompt_tokens - option.cached_tokens
             stalled = stalled_tbt(prefill, option, new_tokens, ctx.now, ctx.slo.tbt_s, stall_credit)
             check = max(tbt, stalled)
-        return prefill, tbt, check, retry_hint(prefill, ctx.now)
+        # Reported (x-kvgate-predicted-tbt-ms, the error reports): the TBT with the stalls of
+        # the prefills that will run beside it, at the instance's recent prefill share. Not
+        # checked: the stall checks of those prefills are what keep it within the SLO.
+        expected = prefill.expected_tbt(ctx.now, 1, req.prompt_tokens)
+        return prefill, expected, check, retry_hint(prefill, ctx.now)
     d = policy.select_decode(ctx)
     if d is None:
         # InstanceState.takes_decode, inlined: this runs for every decode instance on every

@@ -7,6 +7,7 @@ dispatched, with predicted durations, and corrects them when engines report prog
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
@@ -16,6 +17,11 @@ from predictors.bundle import InstancePredictors
 from routing.book_work import DecodeBook, DecodeWork, PrefillWork
 
 __all__ = ["DecodeForecast", "DecodeWork", "InstanceState", "PrefillWork"]
+
+# The recent prefill share is an exponentially weighted rate with this time constant: long
+# enough to span several prefills, short enough to follow a change of load.
+PREFILL_SHARE_TAU_S = 20.0
+MAX_PREFILL_SHARE = 0.8  # the share's cap: a decode's expected TBT stays within 5x its step
 
 
 @dataclass(slots=True)
@@ -50,6 +56,9 @@ class InstanceState:
     # Predicted work of the prefills finished here, summed: a decode's share of it is the
     # prefill stall it sat through (colocated; DecodeWork.stall_mark_s).
     prefilled_s: float = 0.0
+    # prefilled_s, exponentially decayed (PREFILL_SHARE_TAU_S) as of _share_at_s.
+    _share_work_s: float = 0.0
+    _share_at_s: float = 0.0
     incoming: dict[str, DecodeWork] = field(default_factory=dict)
     incoming_tokens: int = 0  # prompt tokens of the requests heading here
     _committed: float | None = None  # committed_tbt(0) once asked for; None after a change
@@ -159,6 +168,8 @@ class InstanceState:
             return None
         self._dequeued(work)
         self.prefilled_s += work.duration_s
+        self._share_work_s = self._decayed_work(now) + work.duration_s
+        self._share_at_s = max(now, self._share_at_s)
         # FCFS: the next queued prefill starts now; re-anchor the estimate on what remains.
         t = now
         for w in self.prefill_queue.values():
@@ -208,11 +219,32 @@ class InstanceState:
             t = max(t, w.est_finish_s)
         self.busy_until_s = t
 
+    def _decayed_work(self, now: float) -> float:
+        if now <= self._share_at_s:
+            return self._share_work_s
+        return self._share_work_s * math.exp((self._share_at_s - now) / PREFILL_SHARE_TAU_S)
+
+    def prefill_share(self, now: float) -> float:
+        """The share of its time the instance spent on prefill lately (predicted work of the
+        prefills finished here, an exponentially weighted rate), at most MAX_PREFILL_SHARE."""
+        return min(self._decayed_work(now) / PREFILL_SHARE_TAU_S, MAX_PREFILL_SHARE)
+
     # ---- decode set ----
     def tbt_now(self, extra_batch: int = 0, extra_tokens: int = 0) -> float:
         return self.predictors.decode.step_time(
             self.batch + extra_batch, self.context_tokens + extra_tokens
         )
+
+    def expected_tbt(self, now: float, extra_batch: int = 0, extra_tokens: int = 0) -> float:
+        """A decode's expected mean TBT here: on a colocated instance, its step stretched by
+        the prefills beside it, ``step * (1 + u)`` at the recent prefill share ``u``. A
+        decode sharing the engine for a fraction ``u`` of its life makes its tokens at
+        step / (1 - u) (each prefill step still yields one token); the first-order form
+        predicted better on both simulated traces and on llama.cpp (docs/experiments.md
+        §2.7): the stall checks turn away the prefills that would push the running decodes
+        over, so the share a decode meets is lower than the share just past."""
+        step = self.tbt_now(extra_batch, extra_tokens)
+        return step * (1.0 + self.prefill_share(now))
 
     def step_clock(self, now: float) -> float:
         """Decode steps run by ``now``: the clock advances at the predicted TBT."""

@@ -224,3 +224,22 @@ def test_colocated_check_off_admits_the_stalling_prefill() -> None:
     admission = replace(c.settings.admission, prefill_stall=PrefillStallSettings(enabled=False))
     c.apply_settings(replace(c.settings, admission=admission))
     assert isinstance(decide(c, "long", prompt(1, 2000), now=0.5), Decision)
+
+
+def test_a_colocated_decision_predicts_its_step_stretched_by_the_recent_prefills() -> None:
+    """Reported: the TBT with the stalls of the prefills that run beside the decode (the
+    instance's recent prefill share); checked: the decode-only TBT and the stall this
+    prefill leaves, as before."""
+    c = _colocated_with_a_decode()
+    c0 = c.instances["c0"]
+    c0.enqueue_prefill("done", 4.0, 100, now=0.0, ready_s=0.0)
+    c0.finish_prefill("done", 0.5)
+    d = decide(c, "short", prompt(2, 4), now=0.5)
+    assert isinstance(d, Decision) and d.decode == "c0"
+    u = c0.prefill_share(0.5)
+    assert u > 0.1
+    assert d.predicted_tbt_s == pytest.approx(c0.tbt_now(1, d.prompt_tokens) * (1 + u))
+    twin = decide(_colocated_with_a_decode(), "short", prompt(2, 4), now=0.5)
+    assert isinstance(twin, Decision)  # the same, without the recent prefill: the same check
+    assert d.checked_tbt_s is not None and d.checked_tbt_s == twin.checked_tbt_s
+    assert twin.predicted_tbt_s == pytest.approx(c0.tbt_now(1, d.prompt_tokens))

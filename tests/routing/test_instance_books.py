@@ -130,3 +130,35 @@ def test_roomy_or_disaggregated_engines_keep_the_prefill_queue() -> None:
     prefill.enqueue_prefill("a", 0.5, 100, now=0.0, ready_s=0.0)
     prefill.enqueue_prefill("b", 0.5, 100, now=0.0, ready_s=0.0)
     assert prefill.queue_time(0.0) == pytest.approx(1.0)  # its sequences leave for decode
+
+
+def test_the_recent_prefill_share_is_a_decayed_rate_of_finished_prefill_work() -> None:
+    from math import exp
+
+    from routing.instance_books import MAX_PREFILL_SHARE, PREFILL_SHARE_TAU_S
+
+    i = _colocated(8)
+    assert i.prefill_share(0.0) == 0.0
+    i.enqueue_prefill("a", 2.0, 100, now=0.0, ready_s=0.0)
+    i.enqueue_prefill("b", 2.0, 100, now=0.0, ready_s=0.0)
+    i.finish_prefill("a", 2.0)
+    i.finish_prefill("b", 4.0)
+    # a's 2 s decayed over the 2 s to b's end, plus b's 2 s, over the time constant.
+    share = (2.0 * exp(-2.0 / PREFILL_SHARE_TAU_S) + 2.0) / PREFILL_SHARE_TAU_S
+    assert i.prefill_share(4.0) == pytest.approx(share)
+    assert i.prefill_share(4.0 + PREFILL_SHARE_TAU_S) == pytest.approx(share / exp(1.0))
+    for n in range(40):  # busy prefilling all the time: capped
+        i.enqueue_prefill(f"x{n}", 1.0, 100, now=4.0 + n, ready_s=4.0 + n)
+        i.finish_prefill(f"x{n}", 5.0 + n)
+    assert i.prefill_share(44.0) == MAX_PREFILL_SHARE
+
+
+def test_a_colocated_decode_expects_its_step_stretched_by_the_prefill_share() -> None:
+    i = _colocated(8)
+    i.enqueue_prefill("a", 5.0, 100, now=0.0, ready_s=0.0)
+    i.finish_prefill("a", 5.0)
+    u = i.prefill_share(5.0)
+    assert u > 0.2
+    assert i.expected_tbt(5.0, 1, 100) == pytest.approx(i.tbt_now(1, 100) * (1 + u))
+    d = inst(Role.DECODE)  # no prefill finished here: the step itself
+    assert d.prefill_share(5.0) == 0.0 and d.expected_tbt(5.0, 1, 100) == d.tbt_now(1, 100)
