@@ -266,6 +266,7 @@ class HealthChecker:
         loop = asyncio.get_running_loop()
         next_round = loop.time()
         while not stop.is_set():
+            next_round = min(next_round, loop.time() + self.interval_s)  # a reload shortened it
             if loop.time() >= next_round:
                 next_round = loop.time() + self.interval_s
                 await self.check_once()
