@@ -4,7 +4,7 @@ library for the stretches of a prompt between added tokens, at about a third of 
 On the gateway's hot path the exact prompt identity tokenizes each request's new text (a user
 turn); ``tokenizers`` takes ~34 µs for a 190-character turn here, ``tiktoken`` ~11 µs for the
 same ids (docs/real-engines.md §1). The two run the same algorithm for the GPT-2 family of
-tokenizers (GPT-2, Llama 3, Qwen 2, Mistral's Tekken...): a regex cuts the text into pieces,
+tokenizers (GPT-2, Llama 3, Qwen 2 ...): a regex cuts the text into pieces,
 each piece's UTF-8 bytes are merged pairwise, lowest rank first. ``tiktoken`` ranks a merge by
 the id of the token it makes, ``tokenizers`` by the merge's line in ``merges``; the two orders
 agree when the ids of the merged tokens grow with their merge lines, which is how these
@@ -190,9 +190,10 @@ def _pattern(pre: Any) -> str | None:
 def _ranks(vocab: dict[str, int], merges: list[Any]) -> dict[bytes, int] | str:
     """Every byte and every merged token, ranked by its id; or why the ids do not order the
     merges as their lines do."""
-    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    chars = bytes_to_unicode()
+    to_byte = {c: b for b, c in chars.items()}
     ranks: dict[bytes, int] = {}
-    for b, c in bytes_to_unicode().items():
+    for b, c in chars.items():
         if c not in vocab:
             return f"byte {b:#04x} has no token"
         ranks[bytes([b])] = vocab[c]

@@ -57,7 +57,7 @@ def place_decode(
         # Reported (x-kvgate-predicted-tbt-ms, the error reports): the TBT with the stalls of
         # the prefills that will run beside it, at the instance's recent prefill share. Not
         # checked: the stall checks of those prefills are what keep it within the SLO.
-        expected = prefill.expected_tbt(ctx.now, 1, req.prompt_tokens)
+        expected = tbt * (1.0 + prefill.prefill_share(ctx.now))
         return prefill, expected, check, retry_hint(prefill, ctx.now)
     d = policy.select_decode(ctx)
     if d is None:

@@ -226,7 +226,15 @@ class InstanceState:
 
     def prefill_share(self, now: float) -> float:
         """The share of its time the instance spent on prefill lately (predicted work of the
-        prefills finished here, an exponentially weighted rate), at most MAX_PREFILL_SHARE."""
+        prefills finished here, an exponentially weighted rate), at most MAX_PREFILL_SHARE.
+
+        A colocated decode sharing the engine with prefills for a fraction ``u`` of its life
+        makes its tokens at step / (1 - u) (each prefill step still yields one token); a
+        colocated decision reports ``step * (1 + u)`` (routing/decode_placement.py), the
+        first-order form, which predicted better on both simulated traces and on llama.cpp
+        (docs/experiments.md §2.7): the stall checks turn away the prefills that would push
+        the running decodes over, so the share a decode meets is lower than the share just
+        past."""
         return min(self._decayed_work(now) / PREFILL_SHARE_TAU_S, MAX_PREFILL_SHARE)
 
     # ---- decode set ----
@@ -234,17 +242,6 @@ class InstanceState:
         return self.predictors.decode.step_time(
             self.batch + extra_batch, self.context_tokens + extra_tokens
         )
-
-    def expected_tbt(self, now: float, extra_batch: int = 0, extra_tokens: int = 0) -> float:
-        """A decode's expected mean TBT here: on a colocated instance, its step stretched by
-        the prefills beside it, ``step * (1 + u)`` at the recent prefill share ``u``. A
-        decode sharing the engine for a fraction ``u`` of its life makes its tokens at
-        step / (1 - u) (each prefill step still yields one token); the first-order form
-        predicted better on both simulated traces and on llama.cpp (docs/experiments.md
-        §2.7): the stall checks turn away the prefills that would push the running decodes
-        over, so the share a decode meets is lower than the share just past."""
-        step = self.tbt_now(extra_batch, extra_tokens)
-        return step * (1.0 + self.prefill_share(now))
 
     def step_clock(self, now: float) -> float:
         """Decode steps run by ``now``: the clock advances at the predicted TBT."""

@@ -105,10 +105,14 @@ class SegmentedEncoder:
         pattern = "|".join(re.escape(c) for c in sorted(raw, key=len, reverse=True) if c)
         self._split = re.compile(f"({pattern})") if pattern else None
         self.exact = self._split is not None and self._provably_exact(tokenizer)
-        if self.exact and self._stretches is not None and not self._probe_agrees(list(raw)):
-            self._stretches = None  # the faster encoder's fault, not the split's
-        if self.exact and not self._probe_agrees(list(raw)):
-            self.exact = False
+        if self.exact:
+            agrees = self._probe_agrees(list(raw))
+            if not agrees and self._stretches is not None:
+                self._stretches = None  # the faster encoder's fault, or the split's: once more
+                agrees = self._probe_agrees(list(raw))
+            self.exact = agrees
+        if not self.exact:
+            self._stretches = None  # whole texts go to the tokenizer itself
 
     def _provably_exact(self, tokenizer: EngineTokenizer) -> bool:
         if getattr(tokenizer, "encode_special_tokens", False):
@@ -136,12 +140,12 @@ class SegmentedEncoder:
     @property
     def fast(self) -> bool:
         """Stretches go to a faster encoder than the tokenizer's own."""
-        return self.exact and self._stretches is not None
+        return self._stretches is not None
 
     def stretch(self, text: str) -> bytes:
         """The packed ids of a stretch (text without added tokens); pure, so safe in a worker
         thread."""
-        if self._stretches is not None and self.exact:
+        if self._stretches is not None:
             return pack_token_ids(self._stretches.ids(text))
         return pack_token_ids(token_ids(self._tok, text, add_special_tokens=False))
 

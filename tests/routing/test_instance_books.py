@@ -153,12 +153,9 @@ def test_the_recent_prefill_share_is_a_decayed_rate_of_finished_prefill_work() -
     assert i.prefill_share(44.0) == MAX_PREFILL_SHARE
 
 
-def test_a_colocated_decode_expects_its_step_stretched_by_the_prefill_share() -> None:
+def test_only_an_instance_that_prefilled_has_a_prefill_share() -> None:
     i = _colocated(8)
     i.enqueue_prefill("a", 5.0, 100, now=0.0, ready_s=0.0)
     i.finish_prefill("a", 5.0)
-    u = i.prefill_share(5.0)
-    assert u > 0.2
-    assert i.expected_tbt(5.0, 1, 100) == pytest.approx(i.tbt_now(1, 100) * (1 + u))
-    d = inst(Role.DECODE)  # no prefill finished here: the step itself
-    assert d.prefill_share(5.0) == 0.0 and d.expected_tbt(5.0, 1, 100) == d.tbt_now(1, 100)
+    assert i.prefill_share(5.0) == pytest.approx(5.0 / 20.0)
+    assert inst(Role.DECODE).prefill_share(5.0) == 0.0  # no prefill finished here
