@@ -131,11 +131,16 @@ def _load_tokenizer(path: Path) -> Any:
 
 
 def load_prompt_encoder(
-    model_dir: str | Path, *, segment_cache_bytes: int = 32 << 20, tiktoken: bool = True
+    model_dir: str | Path,
+    *,
+    segment_cache_bytes: int = 32 << 20,
+    tiktoken: bool = True,
+    skeletons: bool = True,
 ) -> EnginePromptEncoder:
     """The engine-exact encoder of the model in ``model_dir`` (``segment_cache_bytes``: the
     bound of its memo of tokenized prompt stretches, 0 = none; ``tiktoken``: run a byte-level
-    BPE's stretches on tiktoken where it gives the same ids)."""
+    BPE's stretches on tiktoken where it gives the same ids; ``skeletons``: splice chats into
+    their shape's rendering, routing/chat_skeleton.py)."""
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelFilesError(f"model directory not found: {root}")
@@ -156,13 +161,16 @@ def load_prompt_encoder(
         tool_template=templates.get("tool_use"),
         segment_cache_bytes=segment_cache_bytes,
         stretches=stretch_encoder(tokenizer) if tiktoken else None,
+        skeletons=skeletons,
     )
 
 
 def make_prompt_encoder(routing: RoutingSettings) -> PromptEncoder:
     """Exact when ``routing.model_dir`` is set; else the approximate tokenizer (said once)."""
     if routing.model_dir:
-        encoder = load_prompt_encoder(routing.model_dir, tiktoken=routing.tiktoken)
+        encoder = load_prompt_encoder(
+            routing.model_dir, tiktoken=routing.tiktoken, skeletons=routing.template_skeletons
+        )
         log.info(
             "prompt identity: engine-exact tokenizer and chat template from %s%s",
             routing.model_dir,

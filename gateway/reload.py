@@ -39,6 +39,7 @@ RESTART_KEYS: tuple[tuple[str, str | None], ...] = (
     ("routing", "block_size"),
     ("routing", "model_dir"),
     ("routing", "tiktoken"),
+    ("routing", "template_skeletons"),
     ("routing", "tokenizer_file"),
     ("routing", "chars_per_token"),
     ("routing", "llamacpp_slot_max_waiting"),

@@ -104,13 +104,16 @@ def _message(i: int, msg: Any, content_format: ContentFormat) -> dict[str, Any]:
 
 def _parts(i: int, content: Any, role: str) -> list[str]:
     """The text of each text part, in order."""
-    param = f"messages[{i}].content"
     if content is None:
         return []
-    if isinstance(content, str):
-        items: Sequence[Any] = [{"type": "text", "text": content}]
-    elif isinstance(content, list):
-        items = content
+    if isinstance(content, str):  # the common case, taken straight (one text part)
+        if role == "system" and content.startswith(_BILLING_HEADER):
+            content = content.partition("\n")[2]
+            return [content] if content else []
+        return [content]
+    param = f"messages[{i}].content"
+    if isinstance(content, list):
+        items: Sequence[Any] = content
     else:
         raise PromptError(f"{param} must be a string or an array", param)
     out: list[str] = []

@@ -53,7 +53,7 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(
+def hf_tojson(
     x: Any,
     ensure_ascii: bool = False,
     indent: int | None = None,
@@ -72,9 +72,11 @@ class ChatTemplate:
     ``special_tokens``: the tokenizer's named special tokens (``{"bos_token": "<s>", ...}``),
     visible to the template as variables. ``now``: the clock behind ``strftime_now`` (the
     edge passes ``datetime.now``); without one, a template that calls it fails to render.
+    ``strftime``, ``filters`` and ``concat`` replace ``strftime_now``, filters by name and
+    the ``~`` operator (routing/chat_skeleton.py watches a template through them).
     """
 
-    __slots__ = ("_content_format", "_source", "_special", "_template", "_variables")
+    __slots__ = ("_content_format", "_now", "_source", "_special", "_template", "_variables")
 
     def __init__(
         self,
@@ -82,15 +84,21 @@ class ChatTemplate:
         special_tokens: Mapping[str, str],
         *,
         now: Callable[[], datetime] | None = None,
+        strftime: Callable[[str], str] | None = None,
+        filters: Mapping[str, Callable[..., Any]] | None = None,
+        concat: Callable[[Sequence[Any]], str] | None = None,
     ) -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
             extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
         )
-        env.filters["tojson"] = _tojson
+        env.filters["tojson"] = hf_tojson
+        env.filters.update(filters or {})
         env.globals["raise_exception"] = _raise_exception
-        if now is not None:
+        if strftime is not None:
+            env.globals["strftime_now"] = strftime
+        elif now is not None:
             clock = now
             env.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
         try:
@@ -98,6 +106,15 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"line {exc.lineno}: {exc.message}") from None
+        if concat is not None:
+            # ``~`` compiles to a call of the name ``str_join``, imported from jinja's runtime
+            # into the compiled template's own module namespace: replaced there, for this
+            # template only. A jinja without that name leaves ``concat`` unused (checked).
+            names = self._template.root_render_func.__globals__
+            if "str_join" not in names:
+                raise ChatTemplateError("this jinja2 compiles '~' differently: no str_join")
+            names["str_join"] = concat
+        self._now = now
         self._source = source
         self._special = dict(special_tokens)
         self._variables = frozenset(meta.find_undeclared_variables(ast))
@@ -108,6 +125,14 @@ class ChatTemplate:
     @property
     def source(self) -> str:
         return self._source
+
+    @property
+    def special_tokens(self) -> Mapping[str, str]:
+        return self._special
+
+    @property
+    def now(self) -> Callable[[], datetime] | None:
+        return self._now
 
     @property
     def variables(self) -> frozenset[str]:

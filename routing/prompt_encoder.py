@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from routing.chat_messages import engine_conversation, engine_tools
+from routing.chat_skeleton import ChatSkeletons
 from routing.chat_template import ChatTemplate, ChatTemplateError
 from routing.prompt import PromptError, chat_prompt_text
 from routing.token_segments import EngineTokenizer, SegmentedEncoder, StretchEncoder, token_ids
@@ -173,7 +174,10 @@ class EnginePromptEncoder:
     """The engine's own token ids, from its tokenizer (a ``tokenizers.Tokenizer``), its chat
     template (None: the model has none, and chat requests are refused as vLLM refuses them)."""
 
-    __slots__ = ("_ready", "_rendered", "_segments", "_template", "_tok", "_tool_template", "exact")
+    __slots__ = (
+        "_ready", "_rendered", "_segments", "_skeletons", "_template", "_tok", "_tool_template",
+        "exact",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -183,9 +187,12 @@ class EnginePromptEncoder:
         tool_template: ChatTemplate | None = None,
         segment_cache_bytes: int = 32 << 20,
         stretches: StretchEncoder | None = None,
+        skeletons: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._template = template
+        # The default template's chats rendered from skeletons (routing/chat_skeleton.py).
+        self._skeletons = ChatSkeletons(template) if template is not None and skeletons else None
         self._tool_template = tool_template  # a model's named "tool_use" template, if any
         self._segments = SegmentedEncoder(
             tokenizer, max_bytes=segment_cache_bytes, stretches=stretches
@@ -203,6 +210,10 @@ class EnginePromptEncoder:
     @property
     def segments(self) -> SegmentedEncoder:
         return self._segments
+
+    @property
+    def skeletons(self) -> ChatSkeletons | None:
+        return self._skeletons
 
     def encode(self, path: str, body: Mapping[str, Any]) -> PromptTokens:
         if path == CHAT_PATH:
@@ -297,8 +308,11 @@ class EnginePromptEncoder:
             developer_role=template.supports_developer_role,
         )
         extra = {k: v for k, v in kwargs.items() if k in template.variables and k not in _HF_PARAMS}
+        render = template.render
+        if template is self._template and self._skeletons is not None:
+            render = self._skeletons.render
         try:
-            return template.render(
+            return render(
                 conversation,
                 add_generation_prompt=bool(kwargs.get("add_generation_prompt", False)),
                 tools=kwargs.get("tools"),

@@ -283,14 +283,14 @@ def test_whole_texts_done_ahead_are_taken_once_and_bounded() -> None:
 
 def test_a_chat_prepared_for_is_rendered_once(monkeypatch: pytest.MonkeyPatch) -> None:
     renders = 0
-    real = ChatTemplate.render
+    real = EnginePromptEncoder.render_chat
 
-    def counted(self: ChatTemplate, *args: Any, **kwargs: Any) -> str:
+    def counted(self: EnginePromptEncoder, *args: Any, **kwargs: Any) -> str:
         nonlocal renders
         renders += 1
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ChatTemplate, "render", counted)
+    monkeypatch.setattr(EnginePromptEncoder, "render_chat", counted)
     enc = engine()
     body = {"messages": [{"role": "user", "content": "short"}]}
     other = {"messages": [{"role": "user", "content": "other"}]}

@@ -1,0 +1,169 @@
+"""Chats spliced into their shape's skeleton render exactly what the template renders."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routing.chat_skeleton import ChatSkeletons
+from routing.chat_template import ChatTemplate, ChatTemplateError
+from tests.tiny_model import CHATML
+
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
+# Llama 3's way: the system message trimmed and taken out, a date line from strftime_now,
+# every content trimmed.
+LLAMA3 = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nToday Date: ' + date_string + '\\n\\n' }}"
+    "{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+# Qwen3's way: an assistant's reasoning cut at </think> (reads the content).
+THINKING = (
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if message.role == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TEXTS = st.text(alphabet=st.sampled_from(list('ab {}%"\\\n\t</>think\ue000\ue0010')), max_size=30)
+
+
+def chat(*pairs: tuple[str, str]) -> list[dict[str, Any]]:
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+def both(skeletons: ChatSkeletons, template: ChatTemplate, messages: Any, **kw: Any) -> str:
+    fast = skeletons.render(messages, **kw)
+    assert fast == template.render(messages, **kw)
+    return fast
+
+
+@settings(max_examples=150, deadline=None)
+@given(system=TEXTS, user=TEXTS, answer=TEXTS, again=TEXTS)
+def test_chatml_chats_come_from_one_skeleton_per_shape(
+    system: str, user: str, answer: str, again: str
+) -> None:
+    template = ChatTemplate(CHATML, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=0)
+    for _ in range(2):
+        both(skeletons, template, chat(("system", system), ("user", user)))
+        both(skeletons, template, chat(("user", user), ("assistant", answer), ("user", again)))
+    assert skeletons.skeleton_renders == 2 and skeletons.ineligible == 0
+    assert not skeletons.off
+
+
+@settings(max_examples=100, deadline=None)
+@given(system=TEXTS, user=TEXTS)
+def test_trimmed_contents_and_the_date_line_are_replayed(system: str, user: str) -> None:
+    day = [datetime(2026, 11, 29, 23, 59)]
+    template = ChatTemplate(LLAMA3, SPECIAL, now=lambda: day[0])
+    skeletons = ChatSkeletons(template, verify_every=0)
+    messages = chat(("system", system), ("user", user))
+    first = both(skeletons, template, messages)
+    assert both(skeletons, template, messages) == first
+    if skeletons.ineligible == 0:  # a trimmed content tested for truth is read; else spliced
+        assert skeletons.skeleton_renders == 1
+    day[0] = datetime(2026, 11, 30, 0, 1)  # the date line moves: the shape is learned again
+    assert "30 Nov 2026" in both(skeletons, template, messages)
+
+
+def test_a_template_that_reads_contents_renders_those_shapes_itself() -> None:
+    template = ChatTemplate(THINKING, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=0)
+    with_answer = chat(("user", "hi"), ("assistant", "hmm</think>\n\nhello"), ("user", "and?"))
+    for _ in range(3):
+        assert "hmm" not in both(skeletons, template, with_answer)
+        both(skeletons, template, chat(("user", "hi")))
+    assert skeletons.ineligible == 1  # the shape with an assistant turn: its content is read
+    assert skeletons.skeleton_renders == 2  # the user-only shape is spliced
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ messages | tojson }}",  # serialized: JSON escapes what a splice cannot
+        "{% for m in messages %}{{ (m.content ~ '\\n') | trim }}{% endfor %}",  # ~ then trim
+        "{% for m in messages %}{% if m.content | trim %}{{ m.content }}{% endif %}{% endfor %}",
+        "{% for m in messages %}{{ m.content | length }}{{ m.content[:3] }}{% endfor %}",
+        "{% for m in messages %}{{ m.content.replace('a', 'b') }}{% endfor %}",
+        "{% for m in messages %}{{ [m.content, ' '] | join | trim }}{% endfor %}",
+        "{% for m in messages %}{{ '%s ' | format(m.content) | trim }}{% endfor %}",
+        "{% for m in messages %}{{ ('%s ' % m.content) | trim }}{% endfor %}",
+        "{% for m in messages %}{% if m.content == 'x' %}X{% endif %}{{ m.content }}{% endfor %}",
+    ],
+)
+def test_every_way_of_reading_a_content_keeps_the_full_render(source: str) -> None:
+    template = ChatTemplate(source, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=0)
+    for content in ("x", ' "a"\n ', "   "):
+        both(skeletons, template, chat(("user", content)))
+    assert skeletons.skeleton_renders == 0 and skeletons.ineligible == 1
+
+
+def test_a_skeleton_the_template_disagrees_with_is_caught_and_turns_them_off() -> None:
+    # | safe copies the probe into a plain string that trim then works on unseen: the check
+    # against the full render is what catches it.
+    source = "{% for m in messages %}[{{ m.content | safe | trim }}]{% endfor %}"
+    template = ChatTemplate(source, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=1)
+    assert skeletons.render(chat(("user", "x"))) == "[x]"  # learned, checked: agrees
+    assert skeletons.render(chat(("user", "  y  "))) == "[y]"  # the check: the full render
+    assert skeletons.off and skeletons.checks == 2
+    assert skeletons.render(chat(("user", "  z "))) == "[z]"  # from now on: the template
+
+
+def test_other_conversations_and_options_go_to_the_template() -> None:
+    template = ChatTemplate(CHATML, SPECIAL)
+    skeletons = ChatSkeletons(template)
+    named = [{"role": "user", "content": "hi", "name": "ann"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    for messages, kw in (
+        (named, {}),
+        (parts, {}),
+        (chat(("user", "hi")), {"tools": [{"type": "function"}]}),
+        (chat(("user", "hi")), {"add_generation_prompt": False, "continue_final_message": True}),
+        (chat(("user", "hi")), {"unused": {"a": 1}}),
+    ):
+        both(skeletons, template, messages, **kw)
+    assert skeletons.learned == 0 and skeletons.skeleton_renders == 0
+
+
+def test_a_refused_conversation_raises_as_the_template_does_and_is_not_learned() -> None:
+    source = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    skeletons = ChatSkeletons(ChatTemplate(source, SPECIAL))
+    for _ in range(2):
+        with pytest.raises(ChatTemplateError, match="user first"):
+            skeletons.render(chat(("assistant", "x")))
+    assert skeletons.learned == 0 and skeletons.ineligible == 0
+
+
+def test_shapes_are_bounded_and_kwargs_are_part_of_the_shape() -> None:
+    source = "{% if loud %}!{% endif %}{% for m in messages %}{{ m.role }}:{{ m.content }};"
+    source += "{% endfor %}"
+    template = ChatTemplate(source, SPECIAL)
+    skeletons = ChatSkeletons(template, max_shapes=3, verify_every=0)
+    for n in range(1, 6):
+        both(skeletons, template, chat(*[("user", str(i)) for i in range(n)]))
+    assert skeletons.learned == 5
+    assert both(skeletons, template, chat(("user", "a")), loud=True) == "!user:a;"
+    assert both(skeletons, template, chat(("user", "a")), loud=False) == "user:a;"
+    assert skeletons.learned == 7  # one skeleton per kwarg value; the oldest shapes let go
+    both(skeletons, template, chat(("user", "a")))
+    assert skeletons.learned == 8
