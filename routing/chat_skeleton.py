@@ -1,8 +1,9 @@
 """A chat prompt rendered from its shape's skeleton, without running the template.
 
 Two requests whose conversations have the same *shape* (the roles in order, which contents
-are empty, ``add_generation_prompt``, the template kwargs) get, from most chat templates, the
-same literal text with each message's content spliced in, sometimes trimmed. The skeleton of
+are empty, how many text parts each has where the template takes content as parts,
+``add_generation_prompt``, the template kwargs) get, from most chat templates, the same
+literal text with each message's content spliced in, sometimes trimmed. The skeleton of
 a shape is learned once by rendering the template on stand-ins for the contents (probes) that
 refuse to be looked at: a template that compares, searches, measures, slices or serializes a
 content (Qwen3 splitting reasoning at ``</think>``, a ``tojson`` of the messages ...) makes that
@@ -202,10 +203,10 @@ class ChatSkeletons:
         **extra: Any,
     ) -> str:
         """What ``template.render`` returns for the same arguments."""
-        shape = None
+        found = None
         if not (self.off or tools is not None or documents is not None or continue_final_message):
-            shape = _shape(messages, add_generation_prompt, extra)
-        if shape is None:
+            found = _shape(messages, add_generation_prompt, extra)
+        if found is None:
             return self._template.render(
                 messages,
                 add_generation_prompt=add_generation_prompt,
@@ -214,7 +215,7 @@ class ChatSkeletons:
                 documents=documents,
                 **extra,
             )
-        contents = [m["content"] for m in messages]
+        shape, contents = found
         if shape not in self._shapes or self._clock_moved(self._shapes[shape]):
             return self._learn(shape, messages, add_generation_prompt, extra, contents)
         self._shapes.move_to_end(shape)
@@ -264,10 +265,7 @@ class ChatSkeletons:
         extra: Mapping[str, Any],
     ) -> _Skeleton | None:
         assert self._probe is not None
-        probes = [
-            {"role": m["role"], "content": _Probe(f"{_OPEN}{i}{_CLOSE}") if m["content"] else ""}
-            for i, m in enumerate(messages)
-        ]
+        probes = _probes(messages)
         self._clock_calls = []
         try:
             text = str.__str__(
@@ -321,20 +319,56 @@ class ChatSkeletons:
 
 def _shape(
     messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, extra: Mapping[str, Any]
-) -> tuple[Any, ...] | None:
-    """The key of a conversation's shape; None when a skeleton cannot stand for it (a message
-    with more than a role and a string content, a kwarg that is not a plain value)."""
-    roles = []
+) -> tuple[tuple[Any, ...], list[str]] | None:
+    """The key of a conversation's shape and its texts in order; None when a skeleton cannot
+    stand for it (a message with more than a role and a content, a content neither a string
+    nor a list of text parts as vLLM builds them, a kwarg that is not a plain value)."""
+    roles: list[tuple[str, Any]] = []
+    texts: list[str] = []
     for m in messages:
         content = m.get("content")
         role = m.get("role")
-        if len(m) != 2 or type(content) is not str or type(role) is not str:
+        if len(m) != 2 or type(role) is not str:
             return None
-        roles.append((role, content != ""))
+        if type(content) is str:
+            roles.append((role, content != ""))
+            texts.append(content)
+        elif type(content) is list:  # the "openai" content format: [{"type": "text", ...}]
+            for part in content:
+                if type(part) is not dict or len(part) != 2 or part.get("type") != "text":
+                    return None
+                text = part.get("text")
+                if type(text) is not str:
+                    return None
+                texts.append(text)
+            roles.append((role, tuple(t != "" for t in texts[len(texts) - len(content) :])))
+        else:
+            return None
     for value in extra.values():
         if not isinstance(value, _SCALARS):
             return None
-    return (add_generation_prompt, tuple(roles), tuple(sorted(extra.items())))
+    return (add_generation_prompt, tuple(roles), tuple(sorted(extra.items()))), texts
+
+
+def _probes(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with each non-empty text replaced by its slot's probe (slots count
+    texts in order, parts included)."""
+    out: list[dict[str, Any]] = []
+    slot = 0
+
+    def probe(text: str) -> str:
+        nonlocal slot
+        slot += 1
+        return _Probe(f"{_OPEN}{slot - 1}{_CLOSE}") if text else ""
+
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": probe(content)})
+        else:
+            parts = [{"type": "text", "text": probe(p["text"])} for p in content]
+            out.append({"role": m["role"], "content": parts})
+    return out
 
 
 def _escape(literal: str) -> str:

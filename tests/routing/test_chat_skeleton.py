@@ -66,6 +66,28 @@ def test_chatml_chats_come_from_one_skeleton_per_shape(
     assert not skeletons.off
 
 
+# Llama 3.2's way: content as a list of parts (vLLM's "openai" content format), each trimmed.
+PARTS = (
+    "{%- for message in messages %}{{- '<|' + message['role'] + '|>' }}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}"
+    "{{- part['text'] | trim }}{%- endif %}{%- endfor %}{{- '<|eot|>' }}{%- endfor %}"
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(TEXTS, min_size=1, max_size=3), answer=TEXTS)
+def test_text_parts_are_slots_of_their_own(parts: list[str], answer: str) -> None:
+    template = ChatTemplate(PARTS, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=0)
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": p} for p in parts]},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+    ]
+    for _ in range(2):
+        both(skeletons, template, messages)
+    assert skeletons.skeleton_renders == 1 and skeletons.learned == 1
+
+
 @settings(max_examples=100, deadline=None)
 @given(system=TEXTS, user=TEXTS)
 def test_trimmed_contents_and_the_date_line_are_replayed(system: str, user: str) -> None:
@@ -130,7 +152,7 @@ def test_other_conversations_and_options_go_to_the_template() -> None:
     template = ChatTemplate(CHATML, SPECIAL)
     skeletons = ChatSkeletons(template)
     named = [{"role": "user", "content": "hi", "name": "ann"}]
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    parts = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     for messages, kw in (
         (named, {}),
         (parts, {}),
