@@ -10,6 +10,7 @@ fall.
 
 from __future__ import annotations
 
+import re
 import sys
 import zlib
 from array import array
@@ -19,6 +20,12 @@ from typing import Protocol, runtime_checkable
 
 _TOKEN_MASK = 0x7FFF_FFFF  # ids in [0, 2^31): fit int32 for every packer and engine API
 _NOT_ASCII = 0x80  # set in every hashed id; never set in a short ASCII chunk's own id
+_NON_ASCII_RUN = re.compile("[^\x00-\x7f]+")
+# Non-ASCII runs at most this many ASCII chunks apart are redone as one stretch (cheaper than
+# a stretch each); a text with more than one non-ASCII byte per _SPARSE characters is done
+# chunk by chunk throughout (finding its runs would cost more than it saves).
+_MERGE_GAP = 4
+_SPARSE = 32
 # array('I') is 32-bit on every platform CPython supports, but check rather than assume.
 _UINT32 = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -47,6 +54,17 @@ def _chunk_id(chunk: bytes) -> int:
     if len(chunk) <= 4 and chunk.isascii():
         return int.from_bytes(chunk, "little")
     return (zlib.crc32(chunk) & _TOKEN_MASK) | _NOT_ASCII
+
+
+def _chunk_ids(text: str, first: int, last: int) -> list[int]:
+    """The ids of 4-character chunks ``first..last`` (``_chunk_id``, inlined: per request)."""
+    crc, from_bytes = zlib.crc32, int.from_bytes
+    return [
+        from_bytes(b, "little")
+        if (b := text[i : i + 4].encode()).isascii()
+        else (crc(b) & _TOKEN_MASK) | _NOT_ASCII
+        for i in range(4 * first, 4 * last + 4, 4)
+    ]
 
 
 @runtime_checkable
@@ -91,12 +109,35 @@ class ApproxTokenizer:
         return [chunk_id(text[a:b].encode()) for a, b in pairwise(self._bounds(len(text)))]
 
     def pack(self, text: str) -> bytes | None:
-        """``pack_token_ids(self.encode(text))`` where that is nearly free (4 characters per
-        token and ASCII text: the ids are the text's bytes, zero-padded), else ``None``."""
-        if self._step != 4 or not text.isascii():
+        """``pack_token_ids(self.encode(text))`` where that is cheap (4 characters per token:
+        an ASCII chunk's id is its bytes, so the text's bytes, zero-padded, are the packed ids,
+        and only the chunks holding other characters are hashed), else ``None``."""
+        if self._step != 4:
             return None
-        data = text.encode("ascii")
-        return data + bytes(-len(data) % 4)
+        if text.isascii():
+            data = text.encode("ascii")
+            return data + bytes(-len(data) % 4)
+        if (len(text.encode()) - len(text)) * _SPARSE > len(text):  # dense: chunk by chunk
+            return pack_token_ids(_chunk_ids(text, 0, (len(text) - 1) // 4))
+        # One byte per character ("?" for the others) keeps every chunk at its offset; each
+        # stretch of chunks holding non-ASCII characters gets its ids written over theirs.
+        data = text.encode("ascii", "replace")
+        ids = array(_UINT32, data + bytes(-len(data) % 4))
+        if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI
+            ids.byteswap()
+        first = last = -_MERGE_GAP - 2
+        for run in _NON_ASCII_RUN.finditer(text):
+            lo, hi = run.start() // 4, (run.end() - 1) // 4
+            if lo > last + 1 + _MERGE_GAP:  # far from the chunks so far: write those first
+                if first >= 0:
+                    ids[first : last + 1] = array(_UINT32, _chunk_ids(text, first, last))
+                first = lo
+            last = max(last, hi)
+        if first >= 0:
+            ids[first : last + 1] = array(_UINT32, _chunk_ids(text, first, last))
+        if _BIG_ENDIAN:  # pragma: no cover
+            ids.byteswap()
+        return ids.tobytes()
 
     def count_tokens(self, text: str) -> int:
         if self._step:

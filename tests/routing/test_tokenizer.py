@@ -7,7 +7,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routing.tokenizer import (
@@ -31,12 +31,30 @@ def test_approx_ids_are_short_ascii_chunks_themselves_else_crc32() -> None:
     assert ApproxTokenizer(5.0).encode("abcde") == [zlib.crc32(b"abcde") & 0x7FFFFFFF | 0x80]
 
 
-@given(text=st.text(max_size=300), cpt=st.sampled_from([1.0, 3.0, 3.5, 4.0, 6.0]))
+def _reference_id(chunk: bytes) -> int:
+    """The documented id of a 4-character chunk, one chunk at a time."""
+    if len(chunk) <= 4 and chunk.isascii():
+        return int.from_bytes(chunk, "little")
+    return (zlib.crc32(chunk) & 0x7FFF_FFFF) | 0x80
+
+
+@settings(max_examples=300)
+@given(
+    text=st.text(alphabet=st.sampled_from(list("ab?é数\x00🙂 ")), max_size=60)
+    | st.text(max_size=300)
+    | st.lists(  # mostly ASCII with a few other characters: the runs are found, not walked
+        st.text(alphabet="abc ?\n", min_size=0, max_size=90) | st.sampled_from(["é", "数据", "🙂"]),
+        max_size=8,
+    ).map("".join),
+    cpt=st.sampled_from([1.0, 3.0, 3.5, 4.0, 6.0]),
+)
 def test_approx_pack_is_packed_encode(text: str, cpt: float) -> None:
     tok = ApproxTokenizer(cpt)
     packed = tok.pack(text)
-    if cpt == 4.0 and text.isascii():
+    if cpt == 4.0:
         assert packed is not None
+        chunks = [text[i : i + 4].encode() for i in range(0, len(text), 4)]
+        assert packed == pack_token_ids([_reference_id(c) for c in chunks])
     if packed is not None:
         assert packed == pack_token_ids(tok.encode(text))
         assert unpack_token_ids(packed) == tok.encode(text)
