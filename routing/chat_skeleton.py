@@ -308,11 +308,18 @@ class ChatSkeletons:
             return True
         self.off = True
         self._shapes.clear()
+        at = next(
+            (i for i, (a, b) in enumerate(zip(skeleton_text, full, strict=False)) if a != b),
+            min(len(skeleton_text), len(full)),
+        )
+        # Where, not what: the texts are users' prompts.
         log.warning(
-            "chat template skeletons turned off for this model: a skeleton gave %r where the "
-            "template renders %r (the full template renders every chat from now on)",
-            skeleton_text[:200],
-            full[:200],
+            "chat template skeletons turned off for this model: a skeleton's prompt differs "
+            "from the template's at character %d (%d vs %d characters); the template renders "
+            "every chat from now on",
+            at,
+            len(skeleton_text),
+            len(full),
         )
         return False
 

@@ -109,7 +109,8 @@ class ChatTemplate:
         if concat is not None:
             # ``~`` compiles to a call of the name ``str_join``, imported from jinja's runtime
             # into the compiled template's own module namespace: replaced there, for this
-            # template only. A jinja without that name leaves ``concat`` unused (checked).
+            # template only. A jinja without that name is refused here (the skeletons, the
+            # only user, then stay off).
             names = self._template.root_render_func.__globals__
             if "str_join" not in names:
                 raise ChatTemplateError("this jinja2 compiles '~' differently: no str_join")

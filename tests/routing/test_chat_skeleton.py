@@ -136,14 +136,19 @@ def test_every_way_of_reading_a_content_keeps_the_full_render(source: str) -> No
     assert skeletons.skeleton_renders == 0 and skeletons.ineligible == 1
 
 
-def test_a_skeleton_the_template_disagrees_with_is_caught_and_turns_them_off() -> None:
+def test_a_skeleton_the_template_disagrees_with_is_caught_and_turns_them_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # | safe copies the probe into a plain string that trim then works on unseen: the check
     # against the full render is what catches it.
     source = "{% for m in messages %}[{{ m.content | safe | trim }}]{% endfor %}"
     template = ChatTemplate(source, SPECIAL)
     skeletons = ChatSkeletons(template, verify_every=1)
     assert skeletons.render(chat(("user", "x"))) == "[x]"  # learned, checked: agrees
-    assert skeletons.render(chat(("user", "  y  "))) == "[y]"  # the check: the full render
+    secret = "  y: my account number  "
+    assert skeletons.render(chat(("user", secret))) == f"[{secret.strip()}]"  # the full render
+    assert "differs from the template's at character 1" in caplog.text
+    assert "account" not in caplog.text  # where, never the prompt itself
     assert skeletons.off and skeletons.checks == 2
     assert skeletons.render(chat(("user", "  z "))) == "[z]"  # from now on: the template
 
