@@ -273,6 +273,12 @@ class AdminAPI:
                     "expired": c.decode_queue.expired,
                 },
                 "cache_view_blocks": len(c.index),
+                # per served model ("" = the default): exact or approximate prompt tokens,
+                # the segment cache, chat template skeletons (routing/chat_skeleton.py)
+                "prompt_identity": {
+                    "": gw.prompt_encoder.describe(),
+                    **{r.name: r.encoder.describe() for r in gw.model_routes.values() if r.name},
+                },
                 "instances": [self._instance_view(iid) for iid in c.instances],
             }
         )

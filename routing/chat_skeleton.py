@@ -192,6 +192,17 @@ class ChatSkeletons:
             log.info("chat template skeletons unavailable: %s", exc)
             self.off = True
 
+    def stats(self) -> dict[str, Any]:
+        """What the admin API shows: chats spliced, shapes learned or left to the template,
+        checks against the template, and whether a disagreement turned skeletons off."""
+        return {
+            "skeleton_renders": self.skeleton_renders,
+            "shapes_learned": self.learned,
+            "shapes_ineligible": self.ineligible,
+            "checks": self.checks,
+            "off": self.off,
+        }
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],

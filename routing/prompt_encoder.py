@@ -85,6 +85,10 @@ class PromptEncoder(Protocol):
         them; on the event loop's thread, as ``encode``."""
         ...
 
+    def describe(self) -> dict[str, Any]:
+        """How prompts become tokens here, for the admin API."""
+        ...
+
 
 def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
     """A completion's prompt: non-empty text, or token ids in [0, 2^32)."""
@@ -160,6 +164,9 @@ class ApproxPromptEncoder:
 
     def accept(self, work: PromptWork, results: list[bytes]) -> None:
         return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"exact": False, "tokenizer": repr(self._tokenizer)}
 
     def _pack(self, text: str) -> bytes:
         pack = getattr(self._tokenizer, "pack", None)
@@ -260,6 +267,16 @@ class EnginePromptEncoder:
             self._ready[(text, add)] = ids
             if len(self._ready) > _READY_LIMIT:
                 self._ready.popitem(last=False)
+
+    def describe(self) -> dict[str, Any]:
+        segments = self._segments
+        return {
+            "exact": True,
+            "chat_template": self._template is not None,
+            "segment_cache_bytes": segments.cached_bytes if segments.exact else None,
+            "stretches_on_tiktoken": segments.fast,
+            "template_skeletons": self._skeletons.stats() if self._skeletons else None,
+        }
 
     def _render_once(self, body: Mapping[str, Any]) -> str:
         """``render_chat``, or what ``prepare`` rendered for this very body (held, so its

@@ -116,6 +116,7 @@ def test_state_decisions_predictors_replication_openapi(client: TestClient) -> N
     assert state["tbt_headroom_share"] == {} and state["decode_rebinds"] == 0
     assert state["wait_margin"] == {}  # no request admitted yet
     assert state["stall_credit"] == {}  # no colocated decode finished yet
+    assert state["prompt_identity"][""]["exact"] is False  # no model_dir: approximate
     inst = state["instances"][0]
     for key in (
         "queue_s",

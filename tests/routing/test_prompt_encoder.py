@@ -301,3 +301,16 @@ def test_a_chat_prepared_for_is_rendered_once(monkeypatch: pytest.MonkeyPatch) -
     enc.encode(CHAT_PATH, other)  # another body: rendered itself
     enc.encode(CHAT_PATH, body)  # and this one's render was let go
     assert renders == 4
+
+
+def test_describe_says_how_prompts_become_tokens() -> None:
+    enc = engine()
+    for user in ("first", "second"):
+        enc.encode(CHAT_PATH, {"messages": [{"role": "user", "content": user}]})
+    seen = enc.describe()
+    assert seen["exact"] and seen["chat_template"] and seen["segment_cache_bytes"] > 0
+    assert seen["template_skeletons"]["skeleton_renders"] == 1  # the second, same shape
+    assert seen["template_skeletons"]["shapes_learned"] == 1
+    assert engine(skeletons=False).describe()["template_skeletons"] is None
+    approx = ApproxPromptEncoder(ApproxTokenizer(4.0)).describe()
+    assert approx == {"exact": False, "tokenizer": "ApproxTokenizer(chars_per_token=4.0)"}
