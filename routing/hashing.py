@@ -35,21 +35,32 @@ class BlockHasher:
     so a hit is exactly the hash it replaces): prompts that share a prefix, the case prefix
     caching exists for, hash only their new blocks. At most ``memo_blocks`` are kept; when
     full the memo starts over (no LRU bookkeeping on the hot path), ~200 bytes per entry.
+
+    Before that, the last ``chains`` prompts are kept whole, one per first block: a prompt
+    whose first block starts one of them shares its hashes up to where the bytes first differ
+    (a binary search of slice comparisons, memcmp: ~2 µs for 125 blocks, where a memo hit is
+    ~0.2 µs a block). Equal bytes from the same root are the same chain, so those hashes are
+    exactly the ones the loop would compute.
     """
 
-    __slots__ = ("_base", "_block_size", "_memo", "_memo_blocks", "_seed")
+    __slots__ = ("_base", "_block_size", "_chains", "_max_chains", "_memo", "_memo_blocks", "_seed")
 
-    def __init__(self, block_size: int, seed: int = 0, memo_blocks: int = 32_768) -> None:
+    def __init__(
+        self, block_size: int, seed: int = 0, memo_blocks: int = 32_768, chains: int = 32
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0 <= seed < 1 << 64:
             raise ValueError(f"seed must be in [0, 2^64), got {seed}")
-        if memo_blocks < 0:
-            raise ValueError(f"memo_blocks must be >= 0, got {memo_blocks}")
+        if memo_blocks < 0 or chains < 0:
+            raise ValueError(f"memo_blocks and chains must be >= 0, got {memo_blocks}, {chains}")
         self._block_size = block_size
         self._seed = seed
         self._memo: dict[bytes, bytes] = {}
         self._memo_blocks = memo_blocks
+        # root + first block -> (packed prompt, its digests, its hashes), least recent first
+        self._chains: dict[bytes, tuple[bytes, list[bytes], tuple[int, ...]]] = {}
+        self._max_chains = chains
         # Keyed BLAKE2b spends one compression on the key block; copying a pre-keyed state
         # instead of re-keying per block makes hashing ~30% faster.
         self._base = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
@@ -81,14 +92,26 @@ class BlockHasher:
         instructions per call (callgrind)."""
         step = self._block_size * 4
         nbytes = len(data) // step * step
+        if not nbytes:
+            return ()
+        if type(data) is not bytes:  # kept below: a caller's buffer must not change under it
+            data = bytes(data)
+        head = root + data[:step]
+        chains = self._chains
+        seen = chains.pop(head, None) if self._max_chains else None
+        if seen is not None:  # shares at least its first block with a recent prompt
+            k = _common_blocks(data, seen[0], step, min(nbytes, len(seen[0]) // step * step))
+            digests = seen[1][:k]
+            out = list(seen[2][:k])
+            digest = digests[-1]
+        else:
+            k, digests, out, digest = 0, [], [], root
         copy = self._base.copy
         from_bytes = int.from_bytes
         memo, limit = self._memo, self._memo_blocks
         remembered = memo.get
-        out: list[int] = []
-        append = out.append
-        digest = root
-        for off in range(0, nbytes, step):
+        append, keep = out.append, digests.append
+        for off in range(k * step, nbytes, step):
             key = digest + data[off : off + step]
             digest = remembered(key)  # type: ignore[assignment]
             if digest is None:
@@ -99,8 +122,14 @@ class BlockHasher:
                     memo.clear()
                 if limit:
                     memo[key] = digest
+            keep(digest)
             append(from_bytes(digest, "little") & HASH_MASK)
-        return tuple(out)
+        hashes = tuple(out)
+        if self._max_chains:
+            chains[head] = (data, digests, hashes)
+            if len(chains) > self._max_chains:
+                del chains[next(iter(chains))]
+        return hashes
 
     def continue_chain(self, parent_digest: bytes, packed: bytes) -> tuple[tuple[int, ...], bytes]:
         """Hash the full blocks of ``packed`` as the continuation of a chain whose last block
@@ -163,6 +192,20 @@ class BlockHasher:
 
     def __repr__(self) -> str:
         return f"BlockHasher(block_size={self._block_size}, seed={self._seed})"
+
+
+def _common_blocks(a: bytes, b: bytes, step: int, nbytes: int) -> int:
+    """How many whole ``step``-byte blocks ``a`` and ``b`` share from the start, given that
+    they share the first and that both hold at least ``nbytes`` bytes."""
+    lo, hi = 1, nbytes // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        end = mid * step
+        if a[:end] == b[:end]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def hash_ids_to_blocks(hash_ids: Sequence[int]) -> tuple[int, ...]:

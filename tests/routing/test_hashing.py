@@ -123,6 +123,42 @@ def test_seed_separates_hash_spaces() -> None:
     assert BlockHasher(16, 3).hash_tokens(tokens) == BlockHasher(16, 3).hash_tokens(tokens)
 
 
+@settings(max_examples=80)
+@given(
+    base=st.lists(st.integers(0, 3), min_size=4, max_size=40),
+    tails=st.lists(
+        st.tuples(st.integers(0, 40), st.lists(st.integers(0, 3), max_size=30)),
+        min_size=1,
+        max_size=12,
+    ),
+    chains=st.sampled_from([0, 1, 2, 32]),
+    salted=st.booleans(),
+)
+def test_recent_prompts_never_change_a_hash_and_stay_bounded(
+    base: list[int], tails: list[tuple[int, list[int]]], chains: int, salted: bool
+) -> None:
+    """Prompts cut from one base at random points with random tails (shared first blocks,
+    prefixes diverging anywhere, shorter and longer than the remembered ones), plain and
+    salted: the same hashes as the plain construction, with or without remembered chains."""
+    h = BlockHasher(4, memo_blocks=0, chains=chains)
+    ref = BlockHasher(4, memo_blocks=0, chains=0)
+    root = h.namespace_root(None, "salt") if salted else h.root
+    for cut, tail in tails + tails:
+        tokens = base[:cut] + tail
+        packed = pack_token_ids(tokens[: len(tokens) // 4 * 4])
+        assert h.hash_packed(packed, root) == ref.hash_packed(packed, root)
+        assert h.hash_tokens(tokens) == _reference(tokens, 4)
+        assert len(h._chains) <= chains
+
+
+def test_a_remembered_prompt_is_not_the_callers_buffer() -> None:
+    h = BlockHasher(2)
+    buf = bytearray(pack_token_ids([1, 2, 3, 4]))
+    first = h.hash_packed(buf)  # type: ignore[arg-type]
+    buf[:] = pack_token_ids([9, 9, 9, 9])
+    assert h.hash_packed(pack_token_ids([1, 2, 3, 4])) == first == _reference([1, 2, 3, 4], 2)
+
+
 def test_invalid_arguments() -> None:
     with pytest.raises(ValueError):
         BlockHasher(0)
@@ -130,6 +166,8 @@ def test_invalid_arguments() -> None:
         BlockHasher(16, seed=-1)
     with pytest.raises(ValueError):
         BlockHasher(16, memo_blocks=-1)
+    with pytest.raises(ValueError):
+        BlockHasher(16, chains=-1)
     with pytest.raises(ValueError):
         BlockHasher(2).hash_tokens([1, -1])
     with pytest.raises(ValueError):
