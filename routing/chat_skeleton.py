@@ -14,10 +14,11 @@ the template for good (a warning says so). ``strftime_now`` (Llama 3's date line
 too: a skeleton holds the formats it was called with and what they gave, and is learned
 again when the clock says otherwise.
 
-Why: jinja takes ~7 µs of the ~14 µs kvgate spends rendering a two-message chat (the rest
-is rebuilding the messages as vLLM does), on every request; a skeleton takes ~1 µs
-(docs/real-engines.md section 1). kvgate never sends this text anywhere: it is tokenized for
-block keys only, so even a wrong skeleton would cost routing accuracy, not a wrong answer.
+Why: jinja takes ~7.5 µs of the ~14 µs kvgate spends rendering a two-message chat (the rest
+is rebuilding the messages as vLLM does and the request's kwargs), on every request; a
+skeleton takes ~2.5 µs, its shape's key included (docs/real-engines.md section 1). kvgate
+never sends this text anywhere: it is tokenized for block keys only, so even a wrong
+skeleton would cost routing accuracy, not a wrong answer.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ _PROBE_FILTERS: dict[str, Callable[..., Any]] = {
 @dataclass(frozen=True, slots=True)
 class _Skeleton:
     text: str  # the rendered literal text, ``{}`` where a content goes (``{``/``}`` doubled)
-    slots: tuple[tuple[int, tuple[str, ...]], ...]  # per ``{}``: message index, its transforms
+    slots: tuple[tuple[int, tuple[str, ...]], ...]  # per ``{}``: text (slot) index, transforms
     clock: tuple[tuple[str, str], ...]  # strftime_now calls: (format, what it gave)
 
     def fill(self, contents: Sequence[str]) -> str:

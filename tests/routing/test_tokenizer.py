@@ -122,3 +122,10 @@ def test_count_tokens_falls_back_to_encode() -> None:
             return [len(w) for w in text.split()]
 
     assert count_tokens("a bb ccc", Words()) == 3
+
+
+@pytest.mark.parametrize("text", ["a" * 100 + "\ud800" + "é" + "b" * 100, "\ud800数据"])
+def test_a_lone_surrogate_raises_as_encoding_does(text: str) -> None:
+    # The gateway answers UnicodeEncodeError with a 400 naming the field (gateway/openai.py).
+    with pytest.raises(UnicodeEncodeError):
+        ApproxTokenizer(4.0).pack(text)
