@@ -35,6 +35,15 @@ class CountingEncoder:
         self.calls += 1
         return self.inner.encode(path, body)
 
+    def prepare(self, path: str, body: Any, min_chars: int) -> Any:
+        return self.inner.prepare(path, body, min_chars)
+
+    def accept(self, work: Any, results: list[bytes]) -> None:
+        self.inner.accept(work, results)
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()
+
 
 def _settings(mode: str = "early", **extra: Any):
     return settings_from_dict(

@@ -88,6 +88,72 @@ def test_text_parts_are_slots_of_their_own(parts: list[str], answer: str) -> Non
     assert skeletons.skeleton_renders == 1 and skeletons.learned == 1
 
 
+# Hermes's way: the tools as JSON, calls by name with their arguments as JSON, a tool's
+# result as a JSON string.
+TOOLS = (
+    "{%- if tools %}<tools>{%- for tool in tools %}{{ tool | tojson }}{%- endfor %}</tools>"
+    "{%- endif %}{%- for message in messages %}<|{{ message.role }}|>"
+    '{%- if message.role == \'tool\' %}{"name": "{{ message.name }}", "content": '
+    "{{ message.content | tojson }}}{%- else %}{{ message.content }}{%- endif %}"
+    '{%- for call in message.tool_calls or [] %}<call id={{ call.id }}>{"name": '
+    '"{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "</call>{%- endfor %}{%- endfor %}"
+)
+# Qwen3-coder's way: each argument as its own XML element (reads the arguments).
+ARGUMENT_ITEMS = (
+    "{%- for message in messages %}{{ message.content }}{%- for call in message.tool_calls or [] %}"
+    "{%- for k, v in call.function.arguments | items %}<{{ k }}>{{ v }}</{{ k }}>{%- endfor %}"
+    "{%- endfor %}{%- endfor %}"
+)
+ARGS = st.dictionaries(TEXTS, st.integers() | TEXTS | st.lists(TEXTS, max_size=2), max_size=3)
+
+
+def agent(call_id: str, name: str, args: dict[str, Any], result: str) -> list[dict[str, Any]]:
+    """A turn as routing/chat_messages.py rebuilds it: a call, its result, the next ask."""
+    call = {"id": call_id, "function": {"arguments": args, "name": name}, "type": "function"}
+    return [
+        {"role": "user", "content": "what now?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": result, "tool_call_id": call_id, "name": name},
+        {"role": "user", "content": "and then?"},
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(call_id=TEXTS, name=TEXTS, args=ARGS, result=TEXTS)
+def test_tool_calls_and_results_are_slots_too(
+    call_id: str, name: str, args: dict[str, Any], result: str
+) -> None:
+    template = ChatTemplate(TOOLS, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=0)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"a": "{}"}}}]
+    # A first request of the same shape (the same values empty), then this one, spliced.
+    twin = agent(
+        "c0" * bool(call_id), "f" * bool(name), {"a": 1} if args else {}, "ok" * bool(result)
+    )
+    for messages in (twin, agent(call_id, name, args, result)):
+        both(skeletons, template, messages, tools=tools)
+    both(skeletons, template, agent(call_id, name, args, result), tools=tools[:0])
+    assert skeletons.ineligible == 0 and skeletons.skeleton_renders >= 1
+
+
+def test_the_tools_offered_are_part_of_the_shape_and_read_arguments_are_not_spliced() -> None:
+    template = ChatTemplate(TOOLS, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=0)
+    one = [{"type": "function", "function": {"name": "f"}}]
+    two = [*one, {"type": "function", "function": {"name": "g"}}]
+    for tools in (one, two, one):
+        assert "g" in both(skeletons, template, agent("c", "f", {}, "r"), tools=tools) or (
+            tools is one
+        )
+    assert skeletons.learned == 2 and skeletons.skeleton_renders == 1
+    items = ChatTemplate(ARGUMENT_ITEMS, SPECIAL)
+    reads = ChatSkeletons(items, verify_every=0)
+    for _ in range(2):
+        assert "<city>Rome</city>" in both(reads, items, agent("c", "f", {"city": "Rome"}, ""))
+    assert reads.ineligible == 1 and reads.skeleton_renders == 0
+
+
 @settings(max_examples=100, deadline=None)
 @given(system=TEXTS, user=TEXTS)
 def test_trimmed_contents_and_the_date_line_are_replayed(system: str, user: str) -> None:
@@ -117,7 +183,8 @@ def test_a_template_that_reads_contents_renders_those_shapes_itself() -> None:
 @pytest.mark.parametrize(
     "source",
     [
-        "{{ messages | tojson }}",  # serialized: JSON escapes what a splice cannot
+        "{{ messages | tojson(indent=2) }}",  # JSON with options: not recorded
+        "{% for m in messages %}{{ (m.content ~ '!') | tojson }}{% endfor %}",  # combined first
         "{% for m in messages %}{{ (m.content ~ '\\n') | trim }}{% endfor %}",  # ~ then trim
         "{% for m in messages %}{% if m.content | trim %}{{ m.content }}{% endif %}{% endfor %}",
         "{% for m in messages %}{{ m.content | length }}{{ m.content[:3] }}{% endfor %}",
@@ -156,12 +223,13 @@ def test_a_skeleton_the_template_disagrees_with_is_caught_and_turns_them_off(
 def test_other_conversations_and_options_go_to_the_template() -> None:
     template = ChatTemplate(CHATML, SPECIAL)
     skeletons = ChatSkeletons(template)
-    named = [{"role": "user", "content": "hi", "name": "ann"}]
+    reasoning = [{"role": "assistant", "content": "hi", "reasoning": "because"}]
     parts = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     for messages, kw in (
-        (named, {}),
+        (reasoning, {}),
         (parts, {}),
-        (chat(("user", "hi")), {"tools": [{"type": "function"}]}),
+        (chat(("user", "hi")), {"tools": [{"type": "function", "f": {1, 2}}]}),  # not JSON
+        (chat(("user", "hi")), {"documents": [{"text": "d"}]}),
         (chat(("user", "hi")), {"add_generation_prompt": False, "continue_final_message": True}),
         (chat(("user", "hi")), {"unused": {"a": 1}}),
     ):
@@ -194,3 +262,37 @@ def test_shapes_are_bounded_and_kwargs_are_part_of_the_shape() -> None:
     assert skeletons.learned == 7  # one skeleton per kwarg value; the oldest shapes let go
     both(skeletons, template, chat(("user", "a")))
     assert skeletons.learned == 8
+
+
+def test_a_template_that_reads_most_conversations_turns_skeletons_off() -> None:
+    template = ChatTemplate(THINKING, SPECIAL)
+    skeletons = ChatSkeletons(template, verify_every=0)
+    for n in range(1, 40):  # 39 shapes, each with an assistant turn: all read
+        both(skeletons, template, chat(*[("assistant", f"a{i}</think>b") for i in range(n)]))
+    assert skeletons.off and skeletons.ineligible == 32
+    assert skeletons.stats()["off_reason"] == "the template reads most conversations' texts"
+
+
+def test_a_template_without_a_clock_is_probed_without_one() -> None:
+    source = (
+        "{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% else %}no clock{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    template = ChatTemplate(source, SPECIAL)  # no now=: strftime_now is undefined
+    skeletons = ChatSkeletons(template, verify_every=0)
+    for user in ("a", "b"):
+        assert both(skeletons, template, chat(("user", user))) == f"no clock{user}"
+    assert skeletons.skeleton_renders == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(user=TEXTS, other=TEXTS)
+def test_json_of_messages_is_spliced_as_json_strings(user: str, other: str) -> None:
+    # Llama 3.1's tool results: {"output": content} | tojson; here the whole conversation.
+    template = ChatTemplate(
+        "{{ messages | tojson }}{{ {'output': messages[0].content} | tojson }}", SPECIAL
+    )
+    skeletons = ChatSkeletons(template, verify_every=0)
+    both(skeletons, template, chat(("user", "x" * bool(user))))
+    both(skeletons, template, chat(("user", user)))
+    assert skeletons.ineligible == 0 and skeletons.skeleton_renders == 1
