@@ -183,10 +183,11 @@ class RoutingSettings:
     # for the text between added tokens, the same ids at ~1/3 of the CPU; checked against the
     # tokenizers library on probe texts at start-up (backends/fast_bpe.py). False: tokenizers only.
     tiktoken: bool = True
-    # With model_dir: a chat whose shape (roles, empty contents, kwargs) was rendered before
-    # is spliced from that rendering's skeleton instead of running the template again, where
-    # the template only copies (or trims) contents; checked against the template on each new
-    # shape and every 64th request after (routing/chat_skeleton.py). False: always the template.
+    # With model_dir: a chat whose shape (roles, empty texts, tool calls, kwargs, the tools
+    # offered) was rendered before is spliced from that rendering's skeleton instead of running
+    # the template again, where the template only copies, trims or JSON-encodes the texts and
+    # arguments; checked against the template on each new shape and every 64th request after
+    # (routing/chat_skeleton.py). False: always the template.
     template_skeletons: bool = True
     seed: int = 0
     # llama.cpp instances: pin each request to the slot (``id_slot``) that holds its longest

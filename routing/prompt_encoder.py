@@ -182,8 +182,8 @@ class EnginePromptEncoder:
     template (None: the model has none, and chat requests are refused as vLLM refuses them)."""
 
     __slots__ = (
-        "_ready", "_rendered", "_segments", "_skeletons", "_template", "_tok", "_tool_template",
-        "exact",
+        "_ready", "_rendered", "_segments", "_skeletons", "_template", "_tok", "_tool_skeletons",
+        "_tool_template", "exact",
     )  # fmt: skip
 
     def __init__(
@@ -198,9 +198,12 @@ class EnginePromptEncoder:
     ) -> None:
         self._tok = tokenizer
         self._template = template
-        # The default template's chats rendered from skeletons (routing/chat_skeleton.py).
-        self._skeletons = ChatSkeletons(template) if template is not None and skeletons else None
         self._tool_template = tool_template  # a model's named "tool_use" template, if any
+        # Chats rendered from skeletons (routing/chat_skeleton.py), one cache per template.
+        self._skeletons = ChatSkeletons(template) if template is not None and skeletons else None
+        self._tool_skeletons = (
+            ChatSkeletons(tool_template) if tool_template is not None and skeletons else None
+        )
         self._segments = SegmentedEncoder(
             tokenizer, max_bytes=segment_cache_bytes, stretches=stretches
         )
@@ -276,6 +279,9 @@ class EnginePromptEncoder:
             "segment_cache_bytes": segments.cached_bytes if segments.exact else None,
             "stretches_on_tiktoken": segments.fast,
             "template_skeletons": self._skeletons.stats() if self._skeletons else None,
+            "tool_template_skeletons": (
+                self._tool_skeletons.stats() if self._tool_skeletons else None
+            ),
         }
 
     def _render_once(self, body: Mapping[str, Any]) -> str:
@@ -325,9 +331,8 @@ class EnginePromptEncoder:
             developer_role=template.supports_developer_role,
         )
         extra = {k: v for k, v in kwargs.items() if k in template.variables and k not in _HF_PARAMS}
-        render = template.render
-        if template is self._template and self._skeletons is not None:
-            render = self._skeletons.render
+        skeletons = self._skeletons if template is self._template else self._tool_skeletons
+        render = skeletons.render if skeletons is not None else template.render
         try:
             return render(
                 conversation,

@@ -116,6 +116,9 @@ def test_a_named_tool_use_template_serves_requests_with_tools() -> None:
     assert enc.render_chat(body).startswith("<s>")
     body["tools"] = [{"type": "function", "function": {"name": "f"}}]
     assert enc.render_chat(body) == "TOOLSx"
+    body["messages"][0]["content"] = "y"  # the same shape: the tool template's skeleton
+    assert enc.render_chat(body) == "TOOLSy"
+    assert enc.describe()["tool_template_skeletons"]["skeleton_renders"] == 1
 
 
 def test_text_completions_get_the_tokenizers_special_tokens() -> None:
