@@ -54,12 +54,12 @@ class TextProbe(str):
         text = str.__str__(self)
         if name in _REPLAYABLE and SLOT.fullmatch(text):
 
-            def replay(chars: Any = None) -> TextProbe:
+            def record(chars: Any = None) -> TextProbe:
                 if chars is not None:
                     raise ContentInspected
                 return TextProbe(f"{text[:-1]}.{name}{CLOSE}")
 
-            return replay
+            return record
         raise ContentInspected
 
     def __str__(self) -> str:

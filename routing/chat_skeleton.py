@@ -57,6 +57,10 @@ class _Skeleton:
         )
 
 
+# What a shape whose template reads its values maps to: the template renders those.
+_INELIGIBLE = _Skeleton("", (), ())
+
+
 class ChatSkeletons:
     """``template.render`` for the requests whose shape has a skeleton (module docstring)."""
 
@@ -71,8 +75,8 @@ class ChatSkeletons:
         self._template = template
         self.max_shapes = max_shapes
         self.verify_every = verify_every
-        # shape -> its skeleton, or None where the template reads the contents (full render)
-        self._shapes: OrderedDict[Shape, _Skeleton | None] = OrderedDict()
+        # shape -> its skeleton, or _INELIGIBLE where the template reads the values
+        self._shapes: OrderedDict[Shape, _Skeleton] = OrderedDict()
         self._clock_calls: list[tuple[str, str]] = []
         self.skeleton_renders = self.learned = self.ineligible = self.checks = 0
         self.off = False
@@ -131,23 +135,31 @@ class ChatSkeletons:
                 **extra,
             )
         shape, values = found
-        if shape not in self._shapes or self._clock_moved(self._shapes[shape]):
+        skeleton = self._shapes.get(shape)  # one lookup: the key is a nested tuple, rehashed
+        if skeleton is None or self._clock_moved(skeleton):
             return self._learn(shape, messages, add_generation_prompt, tools, extra, values)
         self._shapes.move_to_end(shape)
-        skeleton = self._shapes[shape]
-        if skeleton is None:
-            return self._template.render(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
-            )
+        if skeleton is _INELIGIBLE:
+            return self._full(messages, add_generation_prompt, tools, extra)
         text = skeleton.fill(values)
         self.skeleton_renders += 1
         if self.verify_every and self.skeleton_renders % self.verify_every == 0:
-            full = self._template.render(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
-            )
+            full = self._full(messages, add_generation_prompt, tools, extra)
             if not self._check(text, full):
                 return full
         return text
+
+    def _full(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        extra: Mapping[str, Any],
+    ) -> str:
+        """The template's own render (raises as ever for a conversation it refuses)."""
+        return self._template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
+        )
 
     def _learn(
         self,
@@ -158,11 +170,9 @@ class ChatSkeletons:
         extra: Mapping[str, Any],
         values: Sequence[Any],
     ) -> str:
-        full = self._template.render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
-        )  # raises as ever for a conversation the template refuses
+        full = self._full(messages, add_generation_prompt, tools, extra)
         skeleton = self._skeleton(messages, add_generation_prompt, tools, extra)
-        if skeleton is None:
+        if skeleton is _INELIGIBLE:
             self.ineligible += 1
             if self.ineligible >= _GIVE_UP_AFTER and self.learned * 8 < self.ineligible:
                 # A template that reads most shapes' values: the shape keys cost more than the
@@ -186,7 +196,7 @@ class ChatSkeletons:
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None,
         extra: Mapping[str, Any],
-    ) -> _Skeleton | None:
+    ) -> _Skeleton:
         assert self._probe is not None
         probes = probe_conversation(messages)
         self._clock_calls = []
@@ -197,7 +207,7 @@ class ChatSkeletons:
                 )
             )
         except (ContentInspected, ChatTemplateError):
-            return None
+            return _INELIGIBLE
         literal: list[str] = []
         slots: list[tuple[int, tuple[str, ...]]] = []
         at = 0
@@ -209,7 +219,7 @@ class ChatSkeletons:
         literal.append(_escape(text[at:]))
         joined = "".join(literal)
         if OPEN in joined or CLOSE in joined:
-            return None  # a marker was cut or escaped: the template worked on it
+            return _INELIGIBLE  # a marker was cut or escaped: the template worked on it
         return _Skeleton(joined, tuple(slots), tuple(self._clock_calls))
 
     def _strftime(self, fmt: str) -> str:
@@ -220,9 +230,9 @@ class ChatSkeletons:
         self._clock_calls.append((fmt, value))
         return value
 
-    def _clock_moved(self, skeleton: _Skeleton | None) -> bool:
+    def _clock_moved(self, skeleton: _Skeleton) -> bool:
         now = self._template.now
-        if skeleton is None or not skeleton.clock or now is None:
+        if not skeleton.clock or now is None:
             return False
         at = now()
         return any(at.strftime(fmt) != value for fmt, value in skeleton.clock)
