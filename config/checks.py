@@ -232,6 +232,7 @@ def _check_server(c: Checker, s: ServerSettings) -> None:
     c.at_least("server.refit_min_samples", s.refit_min_samples, 1)
     c.at_least("server.refit_min_new_samples", s.refit_min_new_samples, 1)
     c.at_least("server.refit_window", s.refit_window, 1)
+    c.at_least("server.max_batch_prompts", s.max_batch_prompts, 1)
     c.between("server.port", s.port, 1, 65535)
     c.positive("server.health_interval_s", s.health_interval_s)
     c.positive("server.health_timeout_s", s.health_timeout_s)

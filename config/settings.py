@@ -347,6 +347,9 @@ class ServerSettings:
     refit_window: int = 4000
     recent_decisions: int = 1000  # kept for /admin/decisions and predictor accuracy
     max_body_bytes: int = 16 * 1024 * 1024
+    # A completion whose ``prompt`` is a list of prompts is served as one request per prompt
+    # (gateway/batched_prompts.py); more prompts than this in one request: 400.
+    max_batch_prompts: int = 1024
     tracing: TracingExporter = TracingExporter.OFF
     otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
 

@@ -26,8 +26,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from backends.drivers import ForwardPlan, UpstreamError, UpstreamResponse
-from backends.legs import Failure, Target
+from backends.drivers import UpstreamError, UpstreamResponse
+from backends.legs import Failure
 from gateway.answers import (
     Scope,
     decision_headers,
@@ -39,9 +39,12 @@ from gateway.answers import (
     send_upstream_error,
     usable_request_id,
 )
+from gateway.batched_prompts import BatchedCompletion, batch_of_prompts
 from gateway.doomed_warmups import DoomedWarmups
+from gateway.forward_plan import forward_plan
 from gateway.learning import DecisionRecord
 from gateway.openai import (
+    COMPLETIONS,
     BadRequest,
     ParsedRequest,
     RequestHead,
@@ -71,6 +74,7 @@ class CompletionHandler:
         self.gw = gw
         self.tenants = tenants or TenantGate(gw)  # keys, rate limits, fair share (or off)
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
+        self.batches = BatchedCompletion(self)  # a list of prompts: one request per prompt
         requests = gw.metrics.requests
         self._completed = requests.labels("completed")
         self._rejected = requests.labels("rejected")
@@ -109,6 +113,10 @@ class CompletionHandler:
         try:
             raw = await read_body(receive, gw.settings.server.max_body_bytes)
             head = gw.parse_head(raw)
+            limit = gw.settings.server.max_batch_prompts
+            if path == COMPLETIONS and (prompts := batch_of_prompts(head.body, limit)):
+                await self.batches.serve(scope, request_id, head.body, prompts, receive, send)
+                return
             if not self.tenants.enabled and await self._hopeless(
                 path, head, headers, request_id, send
             ):
@@ -206,56 +214,73 @@ class CompletionHandler:
         retries = gw.settings.server.max_retries
         failed_on: frozenset[str] = frozenset()  # a retry goes elsewhere
         last_error: UpstreamError | None = None
-        while True:
-            decision, decision_s = self._decide(parsed, failed_on)
-            if isinstance(decision, Rejection) and last_error is not None:
-                # Nowhere else to retry: the client hears what went wrong, not "no capacity".
-                self._count(self._upstream_error, parsed.info, "upstream_error")
-                await send_upstream_error(send, last_error, rid)
-                return
-            if isinstance(decision, Rejection) and decision.reason is RejectReason.TBT_SLO:
-                # It may wait for decode room (gateway/decode_waits.py) instead of a 429 now.
-                decision = await gw.decode_waits.wait(decision, parsed.info, self.tenants.screen)
-            if isinstance(decision, Rejection):
-                if decision.warmup is not None:  # booked now, on the view that chose it
-                    self.warmups.start(decision, parsed, path)
-                await self._reject(send, decision, decision_s, parsed.info)
-                return
-            await gw.replicator.before_prefill(path, parsed, decision)
-            record = DecisionRecord.of(rid, gw.clock(), decision)
-            asyncio.get_running_loop().call_soon(self._account, decision, record, decision_s)
-            try:
-                upstream = await self._open(parsed, path, raw, decision)
-            except asyncio.CancelledError:  # the server gave up on the request (shutdown)
-                self._attempt_failed(rid, record)
-                raise
-            except UpstreamError as exc:
-                self._attempt_failed(rid, record)  # this attempt's; a retry makes its own
-                if exc.status is None or exc.status >= 500:  # a 4xx is the request's fault
-                    gw.legs.failed(exc.instance_id, exc.kind)
-                # Retry elsewhere while nothing reached the client, unless the engine went
-                # silent: the time the client can wait is spent.
-                if exc.status is not None or exc.kind is Failure.SILENT or retries <= 0:
+        watch: ClientWatch | None = None  # made as the first legs open
+        try:
+            while True:
+                decision, decision_s = self._decide(parsed, failed_on)
+                if isinstance(decision, Rejection) and last_error is not None:
+                    # Nowhere else to retry: the client hears what went wrong, not "no capacity".
                     self._count(self._upstream_error, parsed.info, "upstream_error")
-                    await send_upstream_error(send, exc, rid)
+                    await send_upstream_error(send, last_error, rid)
                     return
-                failed: UpstreamError | None = exc
-            else:
-                if upstream.instance_id != decision.decode:  # moved by late decode binding
-                    decision = replace(decision, decode=upstream.instance_id)
-                    record.decode = decision.decode
-                # None: answered. Else the engine failed before any byte of its answer
-                # reached the client (e.g. killed after its response headers): as invisible
-                # to the client as a refused connection, so retried the same way.
-                failed = await self._relay(
-                    parsed, upstream, decision, record, receive, send, may_retry=retries > 0
-                )
-                if failed is None:
+                if isinstance(decision, Rejection) and decision.reason is RejectReason.TBT_SLO:
+                    # It may wait for decode room (gateway/decode_waits.py) instead of a 429.
+                    decision = await gw.decode_waits.wait(
+                        decision, parsed.info, self.tenants.screen
+                    )
+                if isinstance(decision, Rejection):
+                    if decision.warmup is not None:  # booked now, on the view that chose it
+                        self.warmups.start(decision, parsed, path)
+                    await self._reject(send, decision, decision_s, parsed.info)
                     return
-            retries -= 1
-            failed_on |= {failed.instance_id}
-            last_error = failed
-            gw.metrics.retries.inc()
+                await gw.replicator.before_prefill(path, parsed, decision)
+                record = DecisionRecord.of(rid, gw.clock(), decision)
+                asyncio.get_running_loop().call_soon(self._account, decision, record, decision_s)
+                if watch is None:
+                    watch = ClientWatch(receive)
+                else:
+                    watch.opening()
+                try:
+                    upstream = await self._open(parsed, path, raw, decision)
+                except asyncio.CancelledError:
+                    self._attempt_failed(rid, record)
+                    if not watch.disconnected:  # the server gave up on it (shutdown)
+                        raise
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    record.outcome = "client_disconnected"
+                    self._count(self._disconnected, parsed.info, "client_disconnected")
+                    return
+                except UpstreamError as exc:
+                    self._attempt_failed(rid, record)  # this attempt's; a retry makes its own
+                    if exc.status is None or exc.status >= 500:  # a 4xx: the request's fault
+                        gw.legs.failed(exc.instance_id, exc.kind)
+                    # Retry elsewhere while nothing reached the client, unless the engine went
+                    # silent: the time the client can wait is spent.
+                    if exc.status is not None or exc.kind is Failure.SILENT or retries <= 0:
+                        self._count(self._upstream_error, parsed.info, "upstream_error")
+                        await send_upstream_error(send, exc, rid)
+                        return
+                    failed: UpstreamError | None = exc
+                else:
+                    watch.answering(upstream)
+                    if upstream.instance_id != decision.decode:  # moved by late decode binding
+                        decision = replace(decision, decode=upstream.instance_id)
+                        record.decode = decision.decode
+                    # None: answered. Else the engine failed before any byte of its answer
+                    # reached the client (e.g. killed after its response headers): as invisible
+                    # to the client as a refused connection, so retried the same way.
+                    failed = await self._relay(
+                        parsed, upstream, decision, record, watch, send, may_retry=retries > 0
+                    )
+                    if failed is None:
+                        return
+                retries -= 1
+                failed_on |= {failed.instance_id}
+                last_error = failed
+                gw.metrics.retries.inc()
+        finally:
+            if watch is not None:
+                watch.stop()
 
     def _attempt_failed(self, rid: str, record: DecisionRecord) -> None:
         self.gw.unpin_slot(rid)
@@ -266,39 +291,7 @@ class CompletionHandler:
         self, parsed: ParsedRequest, path: str, raw: bytes, d: Decision
     ) -> UpstreamResponse:
         gw = self.gw
-        headers = {"X-Request-Id": parsed.info.request_id}
-        if gw.tracing.enabled:
-            gw.tracing.inject(headers)
-
-        def prefill_done() -> None:
-            gw.conductor.prefill_done(parsed.info.request_id, gw.clock())
-
-        def rebind_decode() -> Target | None:
-            moved = gw.conductor.rebind_decode(parsed.info.request_id, gw.clock())
-            return gw.targets[moved] if moved is not None else None
-
-        body = parsed.body
-        rid = parsed.info.request_id
-        colocated = d.prefill == d.decode
-        slot = gw.pin_slot(rid, d.prefill, parsed.info.block_hashes) if colocated else None
-        if slot is not None:  # llama.cpp: wait for the slot that holds the prefix
-            body, raw = {**body, "id_slot": slot}, b""
-        plan = ForwardPlan(
-            request_id=parsed.info.request_id,
-            path=path,
-            body=body,
-            prefill=gw.targets[d.prefill],
-            decode=gw.targets[d.decode],
-            headers=headers,
-            # No byte for this long: the engine is aborted. A whole (non-streamed) answer
-            # arrives only after its last token, so its generation time counts too.
-            timeout_s=gw.silence_timeout(d, 0 if parsed.stream else parsed.info.max_tokens),
-            on_prefill_done=prefill_done,
-            rebind_decode=rebind_decode
-            if gw.settings.routing.decode_rebind and not colocated
-            else None,
-            raw_body=raw or None,  # forwarded as the client sent it where it is unchanged
-        )
+        plan = forward_plan(gw, parsed, path, raw, d)
         if gw.tracing.enabled:
             with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
                 upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
@@ -313,7 +306,7 @@ class CompletionHandler:
         upstream: UpstreamResponse,
         d: Decision,
         record: DecisionRecord,
-        receive: Receive,
+        watch: ClientWatch,
         send: Send,
         may_retry: bool = False,
     ) -> UpstreamError | None:
@@ -322,7 +315,6 @@ class CompletionHandler:
         caller places the request again; else None (answered, or the failure was told)."""
         gw = self.gw
         rid = parsed.info.request_id
-        watch = ClientWatch(receive, upstream)
         gw.drain.streaming(rid, upstream)
         tokens = 0
         # Sent with the answer's first bytes: until then a failure is a plain error response.
@@ -388,7 +380,6 @@ class CompletionHandler:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            watch.stop()
             gw.unpin_slot(rid)
         return None
 

@@ -114,22 +114,37 @@ async def relay_stream(
 
 
 class ClientWatch:
-    """Closes the engine legs (which aborts them) when the client goes away mid-answer.
+    """Ends what the request holds at an engine when the client goes away: while the legs
+    open, the handler's task is cancelled (a non-streamed answer's headers come only with its
+    last token, so that phase can last the whole generation); once the answer streams, its
+    legs are closed. Either way the engine sees its connection drop and aborts the request.
 
     ASGI reports a disconnect only to ``receive()``, so this needs a task waiting on it; the
-    task starts once an answer has run for ``_WATCH_AFTER_S`` (most answers end sooner; a
+    task starts once the request has run for ``_WATCH_AFTER_S`` (most answers end sooner; a
     disconnect before then is noticed when it starts, the ASGI server remembers it).
     """
 
-    __slots__ = ("_receive", "_task", "_timer", "_upstream", "disconnected")
+    __slots__ = ("_opening", "_owner", "_receive", "_task", "_timer", "_upstream", "disconnected")
 
-    def __init__(self, receive: Receive, upstream: UpstreamResponse) -> None:
-        self._receive, self._upstream = receive, upstream
+    def __init__(self, receive: Receive) -> None:
+        """Made by the handler's task, as it starts opening the legs."""
+        self._receive = receive
+        self._upstream: UpstreamResponse | None = None
+        self._owner = asyncio.current_task()
+        self._opening = True
         self._task: asyncio.Task[None] | None = None
         self.disconnected = False
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
             _WATCH_AFTER_S, self._start
         )
+
+    def opening(self) -> None:
+        """Opening the legs (again, after a failed attempt): a disconnect cancels the open."""
+        self._upstream, self._opening = None, True
+
+    def answering(self, upstream: UpstreamResponse) -> None:
+        """The legs are open: a disconnect from now on closes them."""
+        self._upstream, self._opening = upstream, False
 
     def _start(self) -> None:
         self._timer = None
@@ -139,7 +154,10 @@ class ClientWatch:
         while (await self._receive())["type"] != "http.disconnect":
             pass
         self.disconnected = True
-        self._upstream.close()
+        if self._upstream is not None:
+            self._upstream.close()
+        elif self._opening and self._owner is not None:
+            self._owner.cancel()  # the open's own cleanup closes the legs it made
 
     def stop(self) -> None:
         if self._timer is not None:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import aiohttp
+import pytest
 
 from config.settings import AdmissionMode, Settings, SLOSettings
 from gateway.stack import LiveStack, StackSpec
@@ -123,18 +124,28 @@ async def _engine_state(stack: LiveStack, iid: str) -> dict:
         return await r.json()
 
 
-def test_client_disconnect_aborts_both_legs() -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_client_disconnect_aborts_both_legs(stream: bool) -> None:
+    """A streamed answer's client leaves after its first bytes; a whole answer's before any
+    (its headers come only with its last token, so the gateway is still opening the legs)."""
+
     async def run():
-        stack = LiveStack(_spec())
+        # Slower engines for the whole answer: at 0.02 it would be done (~0.3 s) before the
+        # client leaves.
+        stack = LiveStack(StackSpec(prefill=1, decode=1, time_scale=0.02 if stream else 0.2))
         await stack.start()
         try:
+            body = {"prompt": "x " * 200, "max_tokens": 2000, "stream": stream}
             async with aiohttp.ClientSession() as s:
-                resp = await s.post(
-                    stack.url + "/v1/completions",
-                    json={"prompt": "x " * 200, "max_tokens": 2000, "stream": True},
-                )
-                await resp.content.readany()  # the stream has started
-                resp.close()  # the client goes away
+                if stream:
+                    resp = await s.post(stack.url + "/v1/completions", json=body)
+                    await resp.content.readany()  # the stream has started
+                    resp.close()  # the client goes away
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            s.post(stack.url + "/v1/completions", json=body), 0.5
+                        )
             for _ in range(100):
                 await asyncio.sleep(0.05)
                 states = [await _engine_state(stack, i) for i in ("p0", "d0")]
@@ -146,16 +157,18 @@ def test_client_disconnect_aborts_both_legs() -> None:
                 sum(i.batch + len(i.incoming) for i in gw.conductor.instances.values()),
             )
             outcome = gw.learner.decisions[-1].outcome
-            return states, books, outcome
+            return states, books, outcome, gw.metrics.render().decode()
         finally:
             await stack.stop()
 
-    states, books, outcome = asyncio.run(run())
+    states, books, outcome, metrics = asyncio.run(run())
     assert all(st["inflight"] == 0 and st["running"] == 0 and st["pinned"] == 0 for st in states), (
         states
     )
     assert books == (0, 0)
     assert outcome == "client_disconnected"
+    assert 'kvgate_requests_total{outcome="client_disconnected"} 1.0' in metrics
+    assert 'kvgate_requests_total{outcome="completed"} 0.0' in metrics
 
 
 def test_503_when_no_instance_is_healthy() -> None:

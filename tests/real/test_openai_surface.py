@@ -1,0 +1,154 @@
+"""In front of a real vLLM, kvgate answers as the engine does and leaves it no orphan work:
+a batch of prompts comes back in the engine's own batch shape, and a client that leaves before
+a whole answer has its request aborted on the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from config.loader import settings_from_dict
+from gateway.app import build_app
+from gateway.serve import start_server
+from tests.real.conftest import EngineInstall
+from tests.real.engines import EngineProcess, free_ports, start_vllm, stop_engine
+
+pytestmark = pytest.mark.real_engine
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_install: EngineInstall) -> Iterator[EngineProcess]:
+    (port,) = free_ports(1, 18200, 18260)
+    proc = start_vllm(port)
+    yield proc
+    stop_engine(proc)
+
+
+def _gauge(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def _through_kvgate(
+    engine: EngineProcess,
+    check: Callable[[str, aiohttp.ClientSession, Any], Awaitable[Any]],
+    admission: str = "none",
+) -> Any:
+    settings = settings_from_dict(
+        {
+            "server": {"health_interval_s": 10.0, "refit_interval_s": 0},
+            "admission": {"mode": admission},
+            "models": [{"name": "tiny", "pools": ["v"], "model_dir": str(engine.model_dir)}],
+            "pools": [
+                {"name": "v", "role": "both", "instances": [{"id": "v0", "url": engine.url}]}
+            ],
+        }
+    )
+
+    async def run() -> Any:
+        app = build_app(settings)
+        server = await start_server(app, "127.0.0.1", 0, lifespan="on")
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await check(server.url, s, app.gateway)
+        finally:
+            await server.stop()
+
+    return asyncio.run(run())
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with s.post(url + "/v1/completions", json=body) as r:
+        if body.get("stream"):
+            return r.status, (await r.read()).decode()
+        return r.status, await r.json()
+
+
+def _events(text: str) -> list[Any]:
+    out = []
+    for event in text.strip().split("\n\n"):
+        data = event.removeprefix("data: ")
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_a_batch_of_prompts_comes_back_in_the_engines_batch_shape(vllm: EngineProcess) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": ["hello there", "five six seven eight", "general kenobi says hi"],
+        "max_tokens": 3,
+        "n": 2,
+        "ignore_eos": True,
+    }
+    # Streamed: token-id prompts (a batch is all texts or all token-id arrays).
+    stream = {
+        **body,
+        "prompt": [[5, 6, 7, 8], [9, 10, 11]],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def check(url: str, s: aiohttp.ClientSession, gw: Any):
+        return [await _post(s, base, b) for base in (vllm.url, url) for b in (body, stream)]
+
+    (es, engine), (ess, engine_stream), (ks, kvgate), (kss, kvgate_stream) = _through_kvgate(
+        vllm, check
+    )
+    assert es == ks == ess == kss == 200, (engine, kvgate)
+    # Whole answers: the same choices, numbered prompt x n + choice, and the same usage.
+    assert sorted(c["index"] for c in kvgate["choices"]) == list(range(6))
+    assert sorted(c["index"] for c in engine["choices"]) == list(range(6))
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert kvgate["usage"][key] == engine["usage"][key], key
+    # Streamed: every choice's tokens, one usage chunk with the engine's totals, one [DONE].
+    for events in (_events(engine_stream), _events(kvgate_stream)):
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    e_chunks, k_chunks = _events(engine_stream)[:-1], _events(kvgate_stream)[:-1]
+    assert len({c["id"] for c in k_chunks}) == 1
+
+    def per_choice(chunks: list[Any]) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for c in chunks:
+            for choice in c["choices"]:
+                counts[choice["index"]] = counts.get(choice["index"], 0) + 1
+        return counts
+
+    assert per_choice(k_chunks) == per_choice(e_chunks)
+    usage = [c["usage"] for c in k_chunks if not c["choices"]]
+    assert usage == [c["usage"] for c in e_chunks if not c["choices"]]
+
+
+def test_a_client_leaving_before_a_whole_answer_aborts_it_on_the_engine(
+    vllm: EngineProcess,
+) -> None:
+    body = {"model": "tiny", "prompt": "tell me everything", "max_tokens": 3000, "ignore_eos": True}
+
+    async def check(url: str, s: aiohttp.ClientSession, gw: Any):
+        running = []
+        for batch in (False, True):
+            sent = {**body, "prompt": ["tell me", "everything"]} if batch else body
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_post(s, url, sent), 1.0)
+            for _ in range(40):  # 3,000 tokens take ~8 s here; an abort ends them at once
+                await asyncio.sleep(0.1)
+                running.append(_gauge(vllm.url, "vllm:num_requests_running"))
+                if running[-1] == 0:
+                    break
+        metrics = gw.metrics.render().decode()
+        return running, metrics, len(gw.conductor.requests)
+
+    running, metrics, books = _through_kvgate(vllm, check)
+    assert running[-1] == 0 and len(running) < 40, running
+    assert 'kvgate_requests_total{outcome="client_disconnected"} 3.0' in metrics
+    assert 'kvgate_requests_total{outcome="completed"} 0.0' in metrics
+    assert books == 0
