@@ -52,7 +52,15 @@ def place_decode(
         if ctx.slo is not None and stall_credit is not None:
             # Its prefill stalls the decodes already there (routing/prefill_stall.py).
             new_tokens = req.prompt_tokens - option.cached_tokens
-            stalled = stalled_tbt(prefill, option, new_tokens, ctx.now, ctx.slo.tbt_s, stall_credit)
+            stalled = stalled_tbt(
+                prefill,
+                option,
+                new_tokens,
+                ctx.now,
+                ctx.slo.tbt_s,
+                stall_credit,
+                ctx.slo.tbt_limit_s,
+            )
             check = max(tbt, stalled)
         # Reported (x-kvgate-predicted-tbt-ms, the error reports): the TBT with the stalls of
         # the prefills that will run beside it, at the instance's recent prefill share. Not

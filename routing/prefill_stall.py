@@ -99,6 +99,7 @@ def stalled_tbt(
     now: float,
     tbt_slo_s: float,
     credit: float,
+    limit_s: float | None = None,
 ) -> float:
     """The highest mean TBT predicted, once ``option``'s prefill has run on ``inst`` (a
     colocated instance), for a decode there that would meet ``tbt_slo_s`` without it.
@@ -109,7 +110,8 @@ def stalled_tbt(
     after the queue and, on a full engine, when a sequence frees (``option.queue_s``), so
     a decode that ends before then is not its concern. The queue counts at its predicted
     work, not ``option.queue_s``: the learned queue scale and the wait for a sequence are
-    time the decodes keep decoding through. 0.0 when no such decode is there. Decodes that
+    time the decodes keep decoding through. ``limit_s``: the TBT the new request's class
+    admits (its headroom kept). 0.0 when no such decode is there. Decodes that
     miss the SLO with or without this prefill are left out: it does not change their
     outcome, and counting them would turn away every request on a loaded instance."""
     tau = tbt_slo_s
@@ -123,28 +125,36 @@ def stalled_tbt(
 
     d = inst.tbt_now() if inst.batch else inst.predictors.decode.step_time(1, 0)
     gain = (tau - d) * credit
+    keep = 1.0 if limit_s is None else min(limit_s / tau, 1.0)  # the class keeps its headroom
     new_s = option.load_s + option.prefill_s
     booked = _BookedPrefills(inst, now)
     # The option's wait, unscaled: queue_time already waited for a sequence on a full engine.
     start = max(now + option.queue_s / inst.queue_scale, booked.done_s)
 
-    def stalled(slack: float, tokens: float, end_s: float, first: int) -> float:
-        """The mean TBT of one decode after this prefill; 0.0 when it is not its concern."""
+    def stalled(slack: float, tokens: float, end_s: float, first: int, queued: bool) -> float:
+        """The mean TBT of one decode after this prefill; 0.0 when it is not its concern.
+        ``queued``: a request queued here, not decoding yet."""
         if start >= end_s:
             return 0.0  # done before this prefill starts
-        work, queued = booked.before(end_s, first)
-        if slack < work + steps(queued):
+        work, ahead = booked.before(end_s, first)
+        if slack < work + steps(ahead):
             return 0.0  # the queue alone takes it past the SLO
-        return tau + (work + new_s + steps(queued + new_tokens) - slack) / tokens
+        if queued and work + new_s <= (tau - d) * keep:
+            # Safe whatever its output length: even with a second token after all of these
+            # stalls its mean TBT keeps within the class's limit. The credit's hedge would
+            # put it at tau - credit x (tau - d) before any stall, over a class limit below
+            # tau for credits under ~0.1, and turn away a burst onto an idle instance.
+            return 0.0
+        return tau + (work + new_s + steps(ahead + new_tokens) - slack) / tokens
 
     worst = 0.0
     for slack, made, left in running_slack(inst, now, tau, gain):
-        worst = max(worst, stalled(slack, made + left, now + left * d, 0))
+        worst = max(worst, stalled(slack, made + left, now + left * d, 0, False))
     for i, rid in enumerate(inst.prefill_queue):
         dw = inst.incoming.get(rid)
         if dw is None or dw.predicted_output <= 1:
             continue
         out = dw.predicted_output
         begins = now + booked.work[i + 1]  # its prefill done
-        worst = max(worst, stalled(out * gain, out, begins + out * d, i + 1))
+        worst = max(worst, stalled(out * gain, out, begins + out * d, i + 1, True))
     return worst

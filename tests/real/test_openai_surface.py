@@ -1,6 +1,7 @@
 """In front of a real vLLM, kvgate answers as the engine does and leaves it no orphan work:
-a batch of prompts comes back in the engine's own batch shape, and a client that leaves before
-a whole answer has its request aborted on the engine."""
+a batch of prompts comes back in the engine's own batch shape, a client that leaves before a
+whole answer has its request aborted on the engine, and a burst of requests onto an idle
+engine runs there together (default admission)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,26 @@ def test_a_client_leaving_before_a_whole_answer_aborts_it_on_the_engine(
     assert 'kvgate_requests_total{outcome="client_disconnected"} 3.0' in metrics
     assert 'kvgate_requests_total{outcome="completed"} 0.0' in metrics
     assert books == 0
+
+
+def test_a_burst_onto_an_idle_engine_runs_together_under_default_admission(
+    vllm: EngineProcess,
+) -> None:
+    """Four requests at once onto an idle engine: the colocated prefill-stall check used to
+    turn all but the first away (each waited in the decode queue for a decode to finish)."""
+
+    async def check(url: str, s: aiohttp.ClientSession, gw: Any):
+        bodies = [
+            {"model": "tiny", "prompt": f"request {i} " * 20, "max_tokens": 400, "stream": True}
+            for i in range(4)
+        ]
+        sends = [asyncio.create_task(_post(s, url, {**b, "ignore_eos": True})) for b in bodies]
+        most = 0.0
+        while not all(t.done() for t in sends):
+            most = max(most, _gauge(vllm.url, "vllm:num_requests_running"))
+            await asyncio.sleep(0.05)
+        return most, [t.result()[0] for t in sends], gw.settings.admission.mode.value
+
+    most, statuses, mode = _through_kvgate(vllm, check, admission="predictive")
+    assert mode == "predictive" and statuses == [200] * 4
+    assert most == 4, most

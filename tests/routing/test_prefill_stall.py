@@ -127,3 +127,26 @@ def test_on_a_full_engine_the_prefill_waits_for_a_sequence_and_spares_the_one_le
     # 0.1 + 0.35 / 8 = 0.144 s.
     placed = option(i, queue_s=i.queue_time(0.55))  # the estimator's wait for the slot
     assert stalled_tbt(i, placed, 500, 0.55, TAU, credit=0.0) == pytest.approx(TAU + 0.35 / 400)
+
+
+def test_a_queued_request_safe_whatever_its_output_length_is_no_concern() -> None:
+    """A request queued here that could end one token after its first and still meet the
+    SLO through every stall ahead of it (0.05 s here, within tau - d = 0.08 s) is left out:
+    its credited slack (50 x 0.08 x 0.05 = 0.2 s) would put its mean at tau - 4 ms = 96 ms
+    whatever the stall, over a 90 ms class limit, so that a burst of requests onto an idle
+    instance was turned away one by one (real vLLM, docs/real-engines.md)."""
+    i = colocated()
+    i.enqueue_prefill("q", 1.0, 900, now=0.0, ready_s=0.0)
+    i.add_incoming(DecodeWork("q", 900, 50, 1.0))
+    small = option(i, queue_s=1.0, prefill_s=0.05)
+    assert stalled_tbt(i, small, 50, 0.0, TAU, credit=0.05, limit_s=0.09) == 0.0
+    # The class keeps its headroom: 0.075 s is within tau - d but over 90 % of it.
+    larger = option(i, queue_s=1.0, prefill_s=0.075)
+    assert stalled_tbt(i, larger, 50, 0.0, TAU, credit=0.05) == 0.0
+    assert stalled_tbt(i, larger, 50, 0.0, TAU, credit=0.05, limit_s=0.09) == pytest.approx(
+        TAU + (0.075 - 0.1 - 0.2) / 50
+    )
+    # A running decode keeps the hedged check: it may already be close to its end.
+    r = colocated()
+    decoding(r, "r", output=100, made=10, now=1.0)
+    assert stalled_tbt(r, option(r, prefill_s=0.05), 50, 1.0, TAU, credit=0.0) > 0.0
