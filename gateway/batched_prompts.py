@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from gateway.relay import Receive, Send
 from routing.prompt import PromptError
 from routing.prompt_encoder import completion_prompt
 
+log = logging.getLogger("kvgate.gateway")
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 _SUMMED_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
 _DONE = b"[DONE]"
@@ -159,6 +161,8 @@ class BatchedCompletion:
 
         try:
             await self.serve_one(sub_scope, receive, send)
+        except Exception:  # a bug: this prompt gets a 500 below, the log says why
+            log.exception("batched completion: prompt %s failed", rid)
         finally:
             if not answer.start.done():  # it ended without an answer: a 500 of our own
                 answer.start.set_result({"status": 500, "headers": []})
