@@ -19,6 +19,7 @@ from starlette.routing import Route
 from config.settings import Settings
 from gateway.admin import AdminAPI
 from gateway.answers import send_json
+from gateway.engine_passthrough import PASSTHROUGH_PATHS, EnginePassthrough
 from gateway.openai import CHAT, COMPLETIONS, error_body
 from gateway.openai_openapi import OPENAPI
 from gateway.proxy import CompletionHandler
@@ -29,12 +30,14 @@ class GatewayApp:
     def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic):
         self.gateway = Gateway(settings, clock=clock)
         self._completions = CompletionHandler(self.gateway)
+        passthrough = EnginePassthrough(self.gateway)  # the engines' /tokenize, /detokenize
         self._starlette = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/openapi.json", self.openapi, methods=["GET"]),
+                *[Route(path, passthrough.handle, methods=["POST"]) for path in PASSTHROUGH_PATHS],
                 *AdminAPI(self.gateway, self._completions.tenants).routes(),
             ],
             # Unknown paths and wrong methods answer in OpenAI's error shape, like the rest.

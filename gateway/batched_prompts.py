@@ -26,8 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from backends import json_codec
 from gateway.answers import Scope, send_json
 from gateway.openai import BadRequest, error_body
 from gateway.relay import Receive, Send
@@ -135,7 +134,7 @@ class BatchedCompletion:
             (k, v) for k, v in scope["headers"] if k not in (b"x-request-id", b"content-length")
         ]
         sub_scope = {**scope, "headers": [*kept, (b"x-request-id", rid.encode())]}
-        raw = orjson.dumps(body)
+        raw = b""
         read = ended = False
 
         async def receive() -> dict[str, Any]:
@@ -160,6 +159,8 @@ class BatchedCompletion:
                 answer.pieces.put_nowait(None)
 
         try:
+            # In the try: whatever fails here, the batch hears a 500 and does not wait.
+            raw = json_codec.dumps(body)  # integers beyond 64 bits too, as the body was parsed
             await self.serve_one(sub_scope, receive, send)
         except Exception:  # a bug: this prompt gets a 500 below, the log says why
             log.exception("batched completion: prompt %s failed", rid)
@@ -216,7 +217,7 @@ class BatchedCompletion:
             tail = b""
             if usage_chunk is not None:
                 chunk = {**usage_chunk, "id": batch_id, "usage": usage}
-                tail = b"data: " + orjson.dumps(chunk) + b"\n\n"
+                tail = b"data: " + json_codec.dumps(chunk) + b"\n\n"
             await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
         finally:
             for p in pumps:
@@ -272,8 +273,8 @@ async def _send_merged(
     for i, answer in enumerate(answers):
         raw = await _body(answer)
         try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            data = json_codec.loads(raw)
+        except (ValueError, RecursionError):
             data = None
         if not isinstance(data, dict):
             msg = f"the engine's answer to prompt[{i}] is not a JSON object"
@@ -294,7 +295,7 @@ async def _send_merged(
         merged["usage"] = usage
     if "kv_transfer_params" in merged:  # one prompt's; meaningless for the batch
         merged["kv_transfer_params"] = None
-    await send_json(send, 200, orjson.dumps(merged), _merged_headers(answers, request_id))
+    await send_json(send, 200, json_codec.dumps(merged), _merged_headers(answers, request_id))
 
 
 async def _pump(i: int, answer: _Answer, merged: asyncio.Queue[tuple[int, bytes | None]]) -> None:
@@ -322,8 +323,8 @@ def _rewrite_event(
     if data == _DONE:
         return b"", None, False
     try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
+        obj = json_codec.loads(data)
+    except (ValueError, RecursionError):
         return event + b"\n\n", None, False
     if not isinstance(obj, dict):
         return event + b"\n\n", None, False
@@ -335,7 +336,7 @@ def _rewrite_event(
     for choice in choices or ():
         choice["index"] = i * n + int(choice.get("index", 0))
     obj["id"] = batch_id
-    return b"data: " + orjson.dumps(obj) + b"\n\n", None, False
+    return b"data: " + json_codec.dumps(obj) + b"\n\n", None, False
 
 
 def _add_usage(total: dict[str, Any] | None, part: dict[str, Any]) -> dict[str, Any]:

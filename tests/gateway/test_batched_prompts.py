@@ -197,3 +197,18 @@ def test_a_client_leaving_a_whole_batch_aborts_every_prompt() -> None:
     books, metrics = asyncio.run(_with_stack(check, time_scale=1.0))
     assert books == (0, 0)
     assert 'kvgate_requests_total{outcome="client_disconnected"} 2.0' in metrics
+
+
+def test_a_batch_whose_body_holds_an_integer_beyond_64_bits_is_answered() -> None:
+    """Found by the schemathesis fuzz: each prompt's body is encoded again, and orjson refuses
+    integers beyond 64 bits (the body was parsed with them); the batch waited forever."""
+
+    async def check(stack: LiveStack, s: aiohttp.ClientSession):
+        raw = b'{"prompt": ["a", "b"], "max_tokens": 2, "x": 71524912693046438392758272}'
+        headers = {"content-type": "application/json"}
+        post = s.post(stack.url + "/v1/completions", data=raw, headers=headers)
+        async with await asyncio.wait_for(post, 10) as r:
+            return r.status, await r.json()
+
+    status, body = asyncio.run(_with_stack(check))
+    assert status == 200 and len(body["choices"]) == 2

@@ -129,6 +129,25 @@ def test_a_batch_of_prompts_comes_back_in_the_engines_batch_shape(vllm: EnginePr
     assert usage == [c["usage"] for c in e_chunks if not c["choices"]]
 
 
+def test_tokenize_and_detokenize_answer_as_the_engine_does(vllm: EngineProcess) -> None:
+    bodies = {
+        "/tokenize": {"model": "tiny", "prompt": "hello there, general kenobi"},
+        "/detokenize": {"model": "tiny", "tokens": [5, 6, 7, 8]},
+    }
+
+    async def check(url: str, s: aiohttp.ClientSession, gw: Any):
+        out = []
+        for path, body in bodies.items():
+            for base in (vllm.url, url):
+                async with s.post(base + path, json=body) as r:
+                    out.append((r.status, await r.json()))
+        return out
+
+    engine_tok, kvgate_tok, engine_detok, kvgate_detok = _through_kvgate(vllm, check)
+    assert engine_tok == kvgate_tok and engine_tok[0] == 200 and engine_tok[1]["tokens"]
+    assert engine_detok == kvgate_detok and engine_detok[0] == 200
+
+
 def test_a_client_leaving_before_a_whole_answer_aborts_it_on_the_engine(
     vllm: EngineProcess,
 ) -> None:
