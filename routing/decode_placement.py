@@ -59,7 +59,8 @@ def place_decode(
                 ctx.now,
                 ctx.slo.tbt_s,
                 stall_credit,
-                ctx.slo.tbt_limit_s,
+                # Only a request queued there uses it (a property chain: not on every decision).
+                ctx.slo.tbt_limit_s if prefill.prefill_queue else None,
             )
             check = max(tbt, stalled)
         # Reported (x-kvgate-predicted-tbt-ms, the error reports): the TBT with the stalls of
