@@ -18,8 +18,10 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.answers import read_body
 from gateway.openai import BadRequest, error_body
 from gateway.proxy_deps import ProxyGateway
+from routing.fleet_pools import least_loaded
 
 PASSTHROUGH_PATHS = ("/tokenize", "/detokenize")
 _TIMEOUT_S = 30.0  # a tokenizer call: milliseconds on a healthy engine
@@ -31,26 +33,18 @@ class EnginePassthrough:
 
     async def handle(self, request: Request) -> Response:
         gw = self.gw
-        limit = gw.settings.server.max_body_bytes
-        chunks, size = [], 0
-        async for chunk in request.stream():  # bounded as the completion endpoints read
-            size += len(chunk)
-            if size > limit:
-                return _error(
-                    413, f"request body larger than {limit} bytes", "invalid_request_error"
-                )
-            chunks.append(chunk)
-        raw = b"".join(chunks)
         try:
+            raw = await read_body(request.receive, gw.settings.server.max_body_bytes)
             model = self._model(raw)
+        except ConnectionResetError:  # the client left
+            return Response(status_code=499)
         except BadRequest as exc:
             kind = "invalid_request_error"
             return _error(exc.status, exc.message, kind, param=exc.param, code=exc.code)
-        now = gw.clock()
-        live = gw.conductor.pools.for_model(model).prefill
-        if not live:
+        best = least_loaded(gw.conductor.pools.for_model(model).prefill, gw.clock())
+        if best is None:
             return _error(503, "no healthy engine", "service_unavailable", code="no_healthy")
-        target = gw.targets[min(live, key=lambda i: (i.queue_time(now), i.bit_order)).id]
+        target = gw.targets[best.id]
         if gw.session is None:  # before start-up finished
             return _error(503, "the gateway is starting", "service_unavailable")
         try:

@@ -113,8 +113,9 @@ class CompletionHandler:
         try:
             raw = await read_body(receive, gw.settings.server.max_body_bytes)
             head = gw.parse_head(raw)
-            limit = gw.settings.server.max_batch_prompts
-            if path == COMPLETIONS and (prompts := batch_of_prompts(head.body, limit)):
+            if path == COMPLETIONS and (
+                prompts := batch_of_prompts(head.body, gw.settings.server.max_batch_prompts)
+            ):
                 await self.batches.serve(scope, request_id, head.body, prompts, receive, send)
                 return
             if not self.tenants.enabled and await self._hopeless(

@@ -68,3 +68,9 @@ class FleetPools:
         if model is None:
             return self.fleet
         return self._by_model.get(model) or ModelPools()
+
+
+def least_loaded(instances: Iterable[InstanceState], now: float) -> InstanceState | None:
+    """The instance whose queue empties first (ties: the fleet's order); None if there is none.
+    For requests that need no placement (the picker's passthrough, the engines' tokenizers)."""
+    return min(instances, key=lambda i: (i.queue_time(now), i.bit_order), default=None)

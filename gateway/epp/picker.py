@@ -54,6 +54,7 @@ from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_b
 from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
 from gateway.runtime import Gateway
 from gateway.tenants import Refusal, TenantGate
+from routing.fleet_pools import least_loaded
 from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
 from routing.types import Decision, Rejection, RejectReason
 
@@ -145,11 +146,11 @@ class Picker:
 
     def passthrough(self) -> Outcome:
         now = self.gw.clock()
-        live = [i for i in self.gw.conductor.instances.values() if i.eligible]
-        if not live:
+        live = (i for i in self.gw.conductor.instances.values() if i.eligible)
+        best = least_loaded(live, now)
+        if best is None:
             body = error_body("no healthy engine", "service_unavailable", code="no_healthy")
             return Immediate(503, body, [(b"retry-after", b"1")])
-        best = min(live, key=lambda i: (i.queue_time(now), i.bit_order))
         return Passthrough([self.addresses.of(best.id)])
 
     async def pick(self, path: str, headers: dict[str, str], raw: bytes) -> Outcome:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routing.fleet_pools import FleetPools
+from routing.fleet_pools import FleetPools, least_loaded
 from tests.routing.fleet import make_conductor
 
 
@@ -47,3 +47,12 @@ def test_rotation_leaves_the_policys_grouping_in_registration_order() -> None:
     c.rotate_ties(1)
     assert [i.id for i in c.pools.for_model(None).prefill] == ["c1", "c2", "c0"]
     assert seen[-1] == ["c0", "c1", "c2"]
+
+
+def test_least_loaded_is_the_shortest_queue_then_the_fleet_order() -> None:
+    c = make_conductor(prefill=3, decode=0)
+    p0, p1, p2 = (c.instances[i] for i in ("p0", "p1", "p2"))
+    assert least_loaded([p2, p1, p0], 0.0) is p0  # all idle: the fleet's order
+    p0.enqueue_prefill("q", 1.0, 900, now=0.0, ready_s=0.0)
+    assert least_loaded([p0, p1, p2], 0.0) is p1
+    assert least_loaded([], 0.0) is None
