@@ -94,6 +94,8 @@ def build_rows(points: list[dict[str, Any]], profile_name: str) -> list[Row]:
     gpu_only = build_instance_predictors(PredictorSettings(profile=profile_name, overhead_ms=0.0))
     rows = []
     for p in points:
+        if p["kind"] not in ("prefill", "decode"):
+            continue  # mixed steps (bench/gpu_mixed_steps.py): bench/compare_mixed_steps.py
         b, n, c = int(p["batch"]), int(p["new_tokens"]), int(p["cached_tokens"])
         if p["kind"] == "prefill":
             pred = default.prefill.predict(n, c) * 1000.0

@@ -28,13 +28,12 @@ them), and the cache is contiguous per sequence, not paged.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 
 from bench.gpu_attention import KERNELS, Shape, reference_attention
 from bench.gpu_points import DECODE_POINTS, LLAMA3_8B, PREFILL_N, PREFILL_PREFIX, TINY
-from bench.gpu_timing import Timer, kernel_profile, sanity
+from bench.gpu_timing import Timer, bench_device, bench_parser, kernel_profile, sanity, write_json
 
 DECODE_LARGE = ((128, 2048), (256, 512))  # batches only a graph-captured engine runs cheaply
 
@@ -177,19 +176,25 @@ def usable_kernels(checks: dict[str, float]) -> dict[str, list[str]]:
 
 @dataclass
 class Point:
-    kind: str  # "prefill" | "decode"
+    """One step's shape, then its times (filled in by ``Bench.timed``)."""
+
+    kind: str  # "prefill" | "decode" | "mixed"
     new_tokens: int
     cached_tokens: int  # per sequence
     batch: int
-    median_ms: float | None  # CUDA-graph replay (None where capture failed: see graph_error)
-    graph_samples_ms: list[float]
-    eager_ms: float
-    eager_samples_ms: list[float]
-    gpu_kernel_ms: float | None
-    top_kernels: list[Any]
+    median_ms: float | None = None  # CUDA-graph replay (None where capture failed: graph_error)
+    graph_samples_ms: list[float] = field(default_factory=list)
+    eager_ms: float = 0.0
+    eager_samples_ms: list[float] = field(default_factory=list)
+    gpu_kernel_ms: float | None = None
+    top_kernels: list[Any] = field(default_factory=list)
     graph_error: str | None = None
     attention_kernel: str | None = None  # the KERNELS entry this point ran
     attention_kernel_ms: dict[str, float] | None = None  # one layer's attention, each kernel
+    # "mixed" points (bench/gpu_mixed_steps.py): the decoding sequences that share the step
+    # with the prefill chunk (new_tokens behind cached_tokens), and the context of each
+    decode_batch: int = 0
+    decode_context: int = 0
 
 
 class Bench:
@@ -233,31 +238,48 @@ class Bench:
         def step() -> torch.Tensor:
             return m.forward(ids, cached, cache)
 
+        return self.timed(
+            Point(kind, new, cached, batch, None, [], 0.0, [], None, []), step, picked
+        )
+
+    def timed(self, pt: Point, step: Callable[[], Any], picked: dict[str, float]) -> Point:
+        """``pt`` (its shape filled in) with ``step``'s times: eager, kernels, graph replay."""
+        m = self.model
         with torch.inference_mode():
             eager = self.samples(step)
             profiled = kernel_profile(step, m.device)
-            graph_ms: list[float] = []
-            error = None
             if m.device.type == "cuda":
                 try:
-                    graph_ms = self.samples(self.graph(step))
+                    pt.graph_samples_ms = self.samples(self.graph(step))
                 except Exception as exc:  # keep the eager numbers of a shape that will not capture
-                    error = repr(exc)[:300]
-        return Point(
-            kind,
-            new,
-            cached,
-            batch,
-            statistics.median(graph_ms) if graph_ms else None,
-            graph_ms,
-            statistics.median(eager),
-            eager,
-            None if profiled is None else profiled[0],
-            [] if profiled is None else profiled[1],
-            error,
-            m.kernel[kind],
-            picked,
-        )
+                    pt.graph_error = repr(exc)[:300]
+        if pt.graph_samples_ms:
+            pt.median_ms = statistics.median(pt.graph_samples_ms)
+        pt.eager_ms, pt.eager_samples_ms = statistics.median(eager), eager
+        if profiled is not None:
+            pt.gpu_kernel_ms, pt.top_kernels = profiled
+        kind = "decode" if pt.kind == "decode" else "prefill"
+        pt.attention_kernel = m.kernel[kind]
+        if pt.kind == "mixed":
+            pt.attention_kernel = f"{m.kernel['prefill']}+{m.kernel['decode']}"
+        pt.attention_kernel_ms = picked
+        return pt
+
+
+def checked_model(
+    shape: Shape, device: torch.device
+) -> tuple[EngineLlama, dict[str, float], dict[str, list[str]]] | None:
+    """The model, its attention kernels' errors and the usable ones; None (reason printed)
+    when no kernel of a step kind matches the reference."""
+    model = EngineLlama(shape, device, max_positions=20000)
+    with torch.inference_mode():
+        checks = check_attention(model)
+    print(f"attention max abs error vs reference: {checks}", flush=True)
+    usable = usable_kernels(checks)
+    if not usable["prefill"] or not usable["decode"]:
+        print(f"error: no attention kernel matched the reference: {checks}", file=sys.stderr)
+        return None
+    return model, checks, usable
 
 
 def plan(tiny: bool) -> list[tuple[str, int, int, int]]:
@@ -290,27 +312,16 @@ def meta(model: EngineLlama, args: argparse.Namespace, checks: dict[str, float])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m bench.gpu_engine_steps", description=__doc__)
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny shape (smoke test, CPU is fine)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=9)
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device (use --device cpu --tiny for a smoke test)", file=sys.stderr)
+    args = bench_parser("python3 -m bench.gpu_engine_steps", __doc__).parse_args(argv)
+    device = bench_device(args.device)
+    if device is None:
         return 2
     shape = Shape.from_hf(TINY if args.tiny else LLAMA3_8B)
     t0 = time.perf_counter()
-    model = EngineLlama(shape, device, max_positions=20000)
-    with torch.inference_mode():
-        checks = check_attention(model)
-    print(f"attention max abs error vs reference: {checks}", flush=True)
-    usable = usable_kernels(checks)
-    if not usable["prefill"] or not usable["decode"]:
-        print(f"error: no attention kernel matched the reference: {checks}", file=sys.stderr)
+    found = checked_model(shape, device)
+    if found is None:
         return 1
+    model, checks, usable = found
     bench, points = Bench(model, args.warmup, args.reps), []
     todo = plan(args.tiny)
     for i, (kind, batch, new, cached) in enumerate(todo, 1):
@@ -329,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     data = {"meta": meta(model, args, checks), "points": [asdict(x) for x in points]}
     data["meta"]["script_seconds"] = round(time.perf_counter() - t0, 1)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    write_json(args.out, data)
     return 0
 
 

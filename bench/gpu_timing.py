@@ -6,6 +6,8 @@ like its callers: they run on a GPU machine without kvgate installed."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
 import time
@@ -13,6 +15,34 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def bench_parser(
+    prog: str, doc: str | None, *, warmup: int = 3, reps: int = 9, tiny: str = "tiny shape"
+) -> argparse.ArgumentParser:
+    """The options every GPU bench takes: where to write, on which device, how many repeats."""
+    p = argparse.ArgumentParser(prog=prog, description=doc)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help=f"{tiny} (smoke test, CPU is fine)")
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--reps", type=int, default=reps)
+    return p
+
+
+def bench_device(name: str) -> torch.device | None:
+    """The device asked for; None, with the reason printed, if it is CUDA and there is none."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device (use --device cpu --tiny for a smoke test)", file=sys.stderr)
+        return None
+    return device
+
+
+def write_json(path: str, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
 
 
 class Timer:

@@ -214,8 +214,10 @@ class PredictorSettings:
     overhead_ms: float = 0.5
     # Network between instances (KV transfer prefill->decode and prefix pulls).
     link_bandwidth_gbps: float = 200.0
-    # Loading cached KV from host memory (HiCache L2) and from the shared store (L3).
-    host_load_gbps: float = 200.0
+    # Loading cached KV from host memory (HiCache L2, LMCache's CPU tier); None = the profile
+    # GPU's host link (predictors/transfer.py HOST_LINK_GBPS: measured on an H200).
+    host_load_gbps: float | None = None
+    # ... and from the shared store (L3).
     store_load_gbps: float = 100.0
     # Output length: history per prefix key, fallback quantile of all observations.
     output_length_history: int = 64

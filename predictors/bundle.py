@@ -9,7 +9,7 @@ from predictors.decode import DecodeStepModel
 from predictors.grid import SavedPrefill
 from predictors.prefill import AnalyticPrefill, PrefillTimeModel
 from predictors.profiles import EngineProfile, get_profile
-from predictors.transfer import TransferModel
+from predictors.transfer import TransferModel, host_link_gbps
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ def build_instance_predictors(
         prefill=prefill,
         decode=DecodeStepModel.from_profile(profile, overhead_ms),
         link=TransferModel.from_gbps(kv, settings.link_bandwidth_gbps),
-        host_load=TransferModel.from_gbps(kv, settings.host_load_gbps),
+        host_load=TransferModel.from_gbps(
+            kv, settings.host_load_gbps or host_link_gbps(profile.gpu)
+        ),
         store_load=TransferModel.from_gbps(kv, settings.store_load_gbps),
     )

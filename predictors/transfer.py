@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 DEFAULT_LATENCY_S = 0.0005  # per transfer setup (RDMA handshake / request round trip)
+# Host memory -> GPU over the card's PCIe link, as an engine loads a host-tier prefix (one bulk
+# copy of pinned memory, then a scatter into its pages): 50.2-50.8 GB/s measured on an H200
+# (PCIe Gen5 x16) for 1k-16k tokens of Llama-3-8B KV (docs/gpu-step-times.md, "Host tier");
+# the H100 has the same link. The A100's Gen4 link moves half that (not measured here).
+HOST_LINK_GBPS = MappingProxyType({"H100": 400.0, "H200": 400.0, "A100": 200.0})
+DEFAULT_HOST_LINK_GBPS = 200.0  # a GPU not listed above: the slower link
+
+
+def host_link_gbps(gpu: str) -> float:
+    """Gigabits/s an engine on ``gpu`` loads host-tier KV at (``predictors.host_load_gbps``
+    overrides it)."""
+    return HOST_LINK_GBPS.get(gpu.upper(), DEFAULT_HOST_LINK_GBPS)
 
 
 @dataclass(frozen=True, slots=True)

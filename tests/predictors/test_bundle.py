@@ -29,7 +29,8 @@ def test_defaults_build_analytic_predictors() -> None:
     # Links: gigabits/s -> bytes/s, KV bytes from the profile.
     assert preds.link.bytes_per_token == 131072
     assert preds.link.bandwidth_bytes_per_s == pytest.approx(200e9 / 8)
-    assert preds.host_load.bandwidth_bytes_per_s == pytest.approx(200e9 / 8)
+    # Host tier: the profile GPU's link (an H100's PCIe Gen5) unless set.
+    assert preds.host_load.bandwidth_bytes_per_s == pytest.approx(400e9 / 8)
     assert preds.store_load.bandwidth_bytes_per_s == pytest.approx(100e9 / 8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         preds.link = preds.host_load  # type: ignore[misc]
@@ -42,7 +43,10 @@ def test_profile_override_and_settings() -> None:
     assert preds.link.bytes_per_token == 327680
     assert preds.link.bandwidth_bytes_per_s == pytest.approx(50e9)
     assert preds.store_load.bandwidth_bytes_per_s == pytest.approx(25e9 / 8)
+    assert preds.host_load.bandwidth_bytes_per_s == pytest.approx(200e9 / 8)  # A100: Gen4
     assert preds.decode.overhead_ms == 2.0
+    pinned = build_instance_predictors(PredictorSettings(host_load_gbps=80.0), "llama3-8b-h100-tp1")
+    assert pinned.host_load.bandwidth_bytes_per_s == pytest.approx(80e9 / 8)  # the user's wins
     assert isinstance(preds, InstancePredictors)
     with pytest.raises(KeyError, match="known profiles"):
         build_instance_predictors(PredictorSettings(profile="nope"))

@@ -2,7 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from predictors.transfer import DEFAULT_LATENCY_S, TransferModel
+from predictors.transfer import (
+    DEFAULT_HOST_LINK_GBPS,
+    DEFAULT_LATENCY_S,
+    TransferModel,
+    host_link_gbps,
+)
 
 
 def test_time_arithmetic() -> None:
@@ -39,3 +44,9 @@ def test_validation() -> None:
         TransferModel(1, 0.0)
     with pytest.raises(ValueError):
         TransferModel(1, 1e9, latency_s=-1)
+
+
+def test_host_link_follows_the_gpu_and_falls_back_to_the_slower_link() -> None:
+    assert host_link_gbps("H200") == host_link_gbps("h100") == 400.0
+    assert host_link_gbps("A100") == 200.0
+    assert host_link_gbps("measured") == DEFAULT_HOST_LINK_GBPS == 200.0
