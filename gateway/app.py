@@ -23,6 +23,7 @@ from gateway.engine_passthrough import PASSTHROUGH_PATHS, EnginePassthrough
 from gateway.openai import CHAT, COMPLETIONS, error_body
 from gateway.openai_openapi import OPENAPI
 from gateway.proxy import CompletionHandler
+from gateway.responses_api import RESPONSES
 from gateway.runtime import Gateway
 
 
@@ -45,7 +46,7 @@ class GatewayApp:
         )
 
     async def __call__(self, scope: dict[str, Any], receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] in (COMPLETIONS, CHAT):
+        if scope["type"] == "http" and scope["path"] in (COMPLETIONS, CHAT, RESPONSES):
             if scope["method"] != "POST":
                 body = error_body("use POST", "invalid_request_error")
                 await send_json(send, 405, body, [(b"allow", b"POST")])

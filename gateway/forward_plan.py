@@ -1,4 +1,5 @@
-"""What the engine legs of one placed request are told: the ``ForwardPlan`` a driver opens.
+"""What the engine legs of one placed request are told (the ``ForwardPlan`` a driver opens),
+and their opening.
 
 The body as the client sent it (re-encoded only where kvgate changes it: a llama.cpp slot
 pin), the targets of the decision, the silence timeout, and the hooks that report back to
@@ -7,7 +8,7 @@ the Conductor (prefill done; a decode moved by late binding).
 
 from __future__ import annotations
 
-from backends.drivers import ForwardPlan
+from backends.drivers import ForwardPlan, UpstreamResponse
 from backends.legs import Target
 from gateway.openai import ParsedRequest
 from gateway.proxy_deps import ProxyGateway
@@ -50,3 +51,18 @@ def forward_plan(
         else None,
         raw_body=raw or None,  # forwarded as the client sent it where it is unchanged
     )
+
+
+async def open_legs(
+    gw: ProxyGateway, parsed: ParsedRequest, path: str, raw: bytes, d: Decision
+) -> UpstreamResponse:
+    """The decision's legs opened with the pool's driver (a traced span when tracing is on);
+    raises UpstreamError, or CancelledError when the client leaves meanwhile."""
+    plan = forward_plan(gw, parsed, path, raw, d)
+    if gw.tracing.enabled:
+        with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
+            upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
+    else:
+        upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
+    gw.legs.succeeded(d.prefill)
+    return upstream

@@ -185,6 +185,35 @@ CHAT_REQUEST: dict[str, Any] = {
     },
 }
 
+RESPONSES_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "model": _COMMON["model"],
+        "input": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object"}, "minItems": 1},
+            ],
+            "description": "a string, or input items (messages, function calls, their outputs)",
+        },
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": _POSITIVE,
+        "stream": _COMMON["stream"],
+        "previous_response_id": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "description": "placed on the instance that made that response",
+        },
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "store": {"type": ["boolean", "null"]},
+        "temperature": _COMMON["temperature"],
+        "top_p": _COMMON["top_p"],
+        "cache_salt": _COMMON["cache_salt"],
+        "chat_template_kwargs": {"type": "object"},
+    },
+}
+
 _USAGE = {
     "type": "object",
     "properties": {
@@ -227,7 +256,9 @@ _HEADERS = [
 ]
 
 
-def _generate(summary: str, schema_ref: str) -> dict[str, Any]:
+def _generate(
+    summary: str, schema_ref: str, result_ref: str = "#/components/schemas/Result"
+) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
@@ -240,7 +271,7 @@ def _generate(summary: str, schema_ref: str) -> dict[str, Any]:
                 "200": {
                     "description": "the engine's answer (JSON, or SSE with stream: true)",
                     "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Result"}},
+                        "application/json": {"schema": {"$ref": result_ref}},
                         # one schema per event: "data:" lines, the last "[DONE]"
                         "text/event-stream": {
                             "schema": {
@@ -261,7 +292,8 @@ OPENAPI: dict[str, Any] = {
     "info": {
         "title": "kvgate OpenAI API",
         "version": "1",
-        "description": "OpenAI-compatible completions and chat completions, admitted and routed "
+        "description": "OpenAI-compatible completions, chat completions and responses, admitted "
+        "and routed "
         "by kvgate to a prefill/decode fleet; bodies are forwarded to the engine unchanged.",
     },
     "components": {
@@ -269,6 +301,18 @@ OPENAPI: dict[str, Any] = {
             "Error": ERROR_SCHEMA,
             "CompletionRequest": COMPLETION_REQUEST,
             "ChatCompletionRequest": CHAT_REQUEST,
+            "ResponsesRequest": RESPONSES_REQUEST,
+            "Response": {
+                "type": "object",
+                "required": ["id", "object", "output"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"const": "response"},
+                    "output": {"type": "array", "items": {"type": "object"}},
+                    "status": {"type": "string"},
+                    "usage": {"type": ["object", "null"]},
+                },
+            },
             "Result": _RESULT,
         }
     },
@@ -276,6 +320,11 @@ OPENAPI: dict[str, Any] = {
         "/v1/completions": _generate("Text completion", "#/components/schemas/CompletionRequest"),
         "/v1/chat/completions": _generate(
             "Chat completion", "#/components/schemas/ChatCompletionRequest"
+        ),
+        "/v1/responses": _generate(
+            "Response (colocated pools)",
+            "#/components/schemas/ResponsesRequest",
+            "#/components/schemas/Response",
         ),
         "/v1/models": {
             "get": {

@@ -41,9 +41,10 @@ from gateway.answers import (
 )
 from gateway.batched_prompts import BatchedCompletion, batch_of_prompts
 from gateway.doomed_warmups import DoomedWarmups
-from gateway.forward_plan import forward_plan
+from gateway.forward_plan import open_legs
 from gateway.learning import DecisionRecord
 from gateway.openai import (
+    CHAT,
     COMPLETIONS,
     BadRequest,
     ParsedRequest,
@@ -57,24 +58,28 @@ from gateway.relay import (
     Receive,
     ResponseStart,
     Send,
+    StreamMarks,
     cache_report,
     relay_stream,
     send_stream_error,
     shutting_down_body,
     usage_tokens,
 )
+from gateway.responses_api import RESPONSES, ResponsesRoute
+from gateway.responses_api import TOKEN_MARK as RESPONSES_TOKEN
 from gateway.tenants import Refusal, TenantGate
 from routing.types import Decision, Rejection, RejectReason, RequestInfo
 
 
 class CompletionHandler:
-    """Handles POST /v1/completions and /v1/chat/completions for one gateway."""
+    """Handles POST /v1/completions, /v1/chat/completions and /v1/responses for one gateway."""
 
     def __init__(self, gw: ProxyGateway, tenants: TenantGate | None = None) -> None:
         self.gw = gw
         self.tenants = tenants or TenantGate(gw)  # keys, rate limits, fair share (or off)
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self.batches = BatchedCompletion(self)  # a list of prompts: one request per prompt
+        self.responses = ResponsesRoute(gw.specs)  # /v1/responses: its prompt and its owners
         requests = gw.metrics.requests
         self._completed = requests.labels("completed")
         self._rejected = requests.labels("rejected")
@@ -109,21 +114,25 @@ class CompletionHandler:
         if isinstance(tenant, Refusal):
             await tenant.answer(send, request_id)
             return
-        path = scope["path"]
+        path = prompt_path = scope["path"]
+        exclude: frozenset[str] = frozenset()  # a Responses follow-up: all but its owner
         try:
             raw = await read_body(receive, gw.settings.server.max_body_bytes)
-            head = gw.parse_head(raw)
+            head = sent = gw.parse_head(raw)
             if path == COMPLETIONS and (
                 prompts := batch_of_prompts(head.body, gw.settings.server.max_batch_prompts)
             ):
                 await self.batches.serve(scope, request_id, head.body, prompts, receive, send)
                 return
+            if path == RESPONSES:  # placed by the chat prompt the engine renders it as
+                prompt_path, (head, exclude) = CHAT, self.responses.prompt(head)
             if not self.tenants.enabled and await self._hopeless(
-                path, head, headers, request_id, send
+                prompt_path, head, headers, request_id, send
             ):
                 return
-            await gw.tokenize_ahead(path, head)  # a long prompt: in a worker thread
-            parsed = gw.parse_prompt(path, head, headers, request_id)
+            await gw.tokenize_ahead(prompt_path, head)  # a long prompt: in a worker thread
+            parsed = gw.parse_prompt(prompt_path, head, headers, request_id)
+            parsed.body = sent.body  # what is forwarded: the client's body
         except ConnectionResetError:
             return
         except BadRequest as exc:
@@ -140,14 +149,14 @@ class CompletionHandler:
         gw.drain.enter()
         try:
             if not gw.tracing.enabled:  # no span machinery at all, not even no-op spans
-                await self._serve(parsed, path, raw, receive, send)
+                await self._serve(parsed, path, raw, receive, send, exclude)
                 return
             tracer = gw.tracing.tracer
             with tracer.start_as_current_span(
                 "kvgate.request", context=gw.tracing.extract(headers)
             ) as span:
                 span.set_attribute("kvgate.request_id", request_id)
-                await self._serve(parsed, path, raw, receive, send)
+                await self._serve(parsed, path, raw, receive, send, exclude)
         finally:
             gw.drain.leave(request_id)
             self.tenants.leave(request_id)
@@ -208,12 +217,19 @@ class CompletionHandler:
         await send_json(send, 503, shutting_down_body(), headers)
 
     async def _serve(
-        self, parsed: ParsedRequest, path: str, raw: bytes, receive: Receive, send: Send
+        self,
+        parsed: ParsedRequest,
+        path: str,
+        raw: bytes,
+        receive: Receive,
+        send: Send,
+        exclude: frozenset[str] = frozenset(),
     ):
         gw = self.gw
         rid = parsed.info.request_id
         retries = gw.settings.server.max_retries
-        failed_on: frozenset[str] = frozenset()  # a retry goes elsewhere
+        failed_on = exclude  # never there; and a retry goes elsewhere
+        marks = StreamMarks(RESPONSES_TOKEN) if path == RESPONSES else None
         last_error: UpstreamError | None = None
         watch: ClientWatch | None = None  # made as the first legs open
         try:
@@ -242,7 +258,7 @@ class CompletionHandler:
                 else:
                     watch.opening()
                 try:
-                    upstream = await self._open(parsed, path, raw, decision)
+                    upstream = await open_legs(gw, parsed, path, raw, decision)
                 except asyncio.CancelledError:
                     self._attempt_failed(rid, record)
                     if not watch.disconnected:  # the server gave up on it (shutdown)
@@ -271,7 +287,7 @@ class CompletionHandler:
                     # reached the client (e.g. killed after its response headers): as invisible
                     # to the client as a refused connection, so retried the same way.
                     failed = await self._relay(
-                        parsed, upstream, decision, record, watch, send, may_retry=retries > 0
+                        parsed, upstream, decision, record, watch, send, retries > 0, marks
                     )
                     if failed is None:
                         return
@@ -288,19 +304,6 @@ class CompletionHandler:
         self.gw.conductor.failed(rid, self.gw.clock())
         record.outcome = "failed"
 
-    async def _open(
-        self, parsed: ParsedRequest, path: str, raw: bytes, d: Decision
-    ) -> UpstreamResponse:
-        gw = self.gw
-        plan = forward_plan(gw, parsed, path, raw, d)
-        if gw.tracing.enabled:
-            with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
-                upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
-        else:
-            upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]
-        gw.legs.succeeded(d.prefill)
-        return upstream
-
     async def _relay(
         self,
         parsed: ParsedRequest,
@@ -310,10 +313,12 @@ class CompletionHandler:
         watch: ClientWatch,
         send: Send,
         may_retry: bool = False,
+        marks: StreamMarks | None = None,
     ) -> UpstreamError | None:
         """Streams the answer to the client. Returns the engine's error, with the books closed
         and nothing sent, when it failed before the client got any byte and ``may_retry``: the
-        caller places the request again; else None (answered, or the failure was told)."""
+        caller places the request again; else None (answered, or the failure was told).
+        ``marks``: a Responses API answer (its stream's tokens; its id, learned)."""
         gw = self.gw
         rid = parsed.info.request_id
         gw.drain.streaming(rid, upstream)
@@ -332,8 +337,11 @@ class CompletionHandler:
         try:
             if parsed.stream:
                 tokens, tail = await relay_stream(
-                    upstream, record, send, gw.conductor, gw.metrics, gw.clock, start
+                    upstream, record, send, gw.conductor, gw.metrics, gw.clock, start, marks
                 )
+                # The engine's own count where its stream ends with usage: an event may carry
+                # several tokens (its detokenizer holds back a partial word).
+                tokens = usage_tokens(tail) or tokens
             else:
                 tail = await upstream.read()
                 now = gw.clock()
@@ -343,6 +351,8 @@ class CompletionHandler:
                 await send(start.message)
                 await send({"type": "http.response.body", "body": tail})
             upstream.close()
+            if marks is not None:  # which instance holds this response, for its follow-ups
+                self.responses.answered(d.decode, marks.opening or tail)
             now = gw.clock()
             # The engine's answer corrects the cache view (what it had cached, what it now has).
             feedback = gw.conductor.cache_feedback(rid, now, *cache_report(tail))

@@ -32,11 +32,25 @@ _TOKEN_FLUSH = 16  # report streamed tokens to the books in batches
 _GAP_FLUSH = 256  # add time-between-chunks samples to the histogram in batches
 _WATCH_AFTER_S = 0.05  # answers shorter than this never start a disconnect watcher task
 _COMPLETION_TOKENS = b'"completion_tokens"'
+_OUTPUT_TOKENS = b'"output_tokens"'  # the Responses API's usage
 # What an engine says it found cached: vLLM / llama.cpp usage, llama.cpp timings.
 _CACHED_TOKENS = b'"cached_tokens"'
 _PROMPT_TOKENS = b'"prompt_tokens"'
+_INPUT_TOKENS = b'"input_tokens"'  # the Responses API's usage
 _CACHE_N = b'"cache_n"'
 _PROMPT_N = b'"prompt_n"'
+
+
+class StreamMarks:
+    """How a stream other than a completion's shows its tokens (the Responses API's: events
+    before the first token, a ``*.delta`` event per token); ``relay_stream`` keeps the
+    stream's first chunk in ``opening`` (where such a stream names its response)."""
+
+    __slots__ = ("opening", "token")
+
+    def __init__(self, token: bytes) -> None:
+        self.token = token
+        self.opening = b""
 
 
 class ResponseStart:
@@ -58,17 +72,22 @@ async def relay_stream(
     metrics: GatewayMetrics,
     clock: Callable[[], float],
     start: ResponseStart | None = None,
+    marks: StreamMarks | None = None,
 ) -> tuple[int, bytes]:
     """Relays the SSE answer chunk by chunk as it arrives, keeping the books (first token,
     streamed tokens, time between chunks); returns the tokens it carried and the answer's
     last two chunks (where a final usage chunk is, for ``cache_report``). ``start`` goes out
-    just before the first chunk (or the end of an empty answer)."""
+    just before the first chunk (or the end of an empty answer). Without ``marks`` (a
+    completion's stream) the first chunk is the first token; with them, the first chunk
+    that holds a token."""
     rid = record.request_id
     next_piece = upstream.piece_reader()
     stamps: list[float] = []  # arrival of each chunk: the TBT histogram's samples
     first = 0.0
     tokens = reported = 0
     before = last = b""
+    mark, mark_spaced = (TOKEN_EVENT, TOKEN_EVENT_SPACED) if marks is None else (marks.token,) * 2
+    waiting = True  # for the first token
     try:
         while True:
             try:
@@ -90,17 +109,21 @@ async def relay_stream(
             # The last chunk ends the response in the same write (no separate terminator);
             # the chunk goes out first, the books after.
             await send({"type": "http.response.body", "body": chunk, "more_body": not end})
-            if not stamps:
-                first = now
-                record.observed_ttft_s = conductor.first_token(rid, now)
-                if record.observed_ttft_s is not None:
-                    metrics.ttft.observe(record.observed_ttft_s)
+            if waiting:
+                if marks is not None and not stamps:
+                    marks.opening = chunk
+                if marks is None or mark in chunk:
+                    waiting = False
+                    first = now
+                    record.observed_ttft_s = conductor.first_token(rid, now)
+                    if record.observed_ttft_s is not None:
+                        metrics.ttft.observe(record.observed_ttft_s)
             elif len(stamps) >= _GAP_FLUSH:
                 observe_gaps(metrics.tbt, stamps)
                 del stamps[:-1]
             stamps.append(now)
             # count_stream_tokens, inline: this runs for every chunk
-            tokens += chunk.count(TOKEN_EVENT) or chunk.count(TOKEN_EVENT_SPACED)
+            tokens += chunk.count(mark) or chunk.count(mark_spaced)
             if tokens - reported >= _TOKEN_FLUSH:
                 conductor.tokens(rid, tokens - reported, now)
                 reported = tokens
@@ -208,18 +231,21 @@ def _last_int(body: bytes, key: bytes) -> int | None:
 
 
 def usage_tokens(body: bytes) -> int:
-    """usage.completion_tokens of a JSON answer (0 if absent)."""
-    return _last_int(body, _COMPLETION_TOKENS) or 0
+    """usage.completion_tokens of a JSON answer, or the Responses API's output_tokens (0 if
+    absent)."""
+    return _last_int(body, _COMPLETION_TOKENS) or _last_int(body, _OUTPUT_TOKENS) or 0
 
 
 def cache_report(body: bytes) -> tuple[int | None, int | None]:
     """(cached prompt tokens, prompt tokens) an engine reported in an answer or a stream's
-    last chunks: ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+    last chunks: ``usage.prompt_tokens_details.cached_tokens`` (the Responses API:
+    ``input_tokens_details``, ``input_tokens``; vLLM with
     --enable-prompt-tokens-details, llama.cpp) or llama.cpp's ``timings.cache_n`` (the
     prompt is ``cache_n + prompt_n`` there); None where it reported nothing."""
     cached = _last_int(body, _CACHED_TOKENS)
     if cached is not None:
-        return cached, _last_int(body, _PROMPT_TOKENS)
+        prompt = _last_int(body, _PROMPT_TOKENS)
+        return cached, prompt if prompt is not None else _last_int(body, _INPUT_TOKENS)
     cached = _last_int(body, _CACHE_N)
     if cached is None:
         return None, None

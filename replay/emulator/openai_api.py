@@ -13,6 +13,7 @@ from typing import Any
 
 from routing.prompt import PromptError
 from routing.prompt_encoder import CHAT_PATH, PromptEncoder
+from routing.responses_input import responses_chat_body
 from routing.tokenizer import unpack_token_ids
 
 _MAX_TOKEN_ID = 1 << 32  # BlockHasher packs ids as uint32
@@ -63,6 +64,9 @@ class ParsedRequest:
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
     bootstrap: Bootstrap | None
+    # /v1/responses (served colocated: vLLM's Responses answer carries no kv_transfer_params)
+    responses: bool = False
+    previous_response: str | None = None
 
 
 def _encoded(encoder: PromptEncoder, path: str, body: dict[str, Any]) -> list[int]:
@@ -107,6 +111,15 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
+def _stream_flag(body: dict[str, Any]) -> bool:
+    stream = body.get("stream")
+    if stream is None:  # vLLM: boolean or null, default false
+        return False
+    if not isinstance(stream, bool):
+        raise RequestError(400, "stream must be a boolean", "stream")
+    return stream
+
+
 def _bootstrap(body: dict[str, Any]) -> Bootstrap | None:
     room = body.get("bootstrap_room")
     if room is None:
@@ -127,6 +140,35 @@ def _bootstrap(body: dict[str, Any]) -> Bootstrap | None:
     return Bootstrap(host, port, room)
 
 
+def parse_responses_request(
+    body: Any, *, encoder: PromptEncoder, default_max_tokens: int
+) -> ParsedRequest:
+    """A ``/v1/responses`` body: its prompt is the chat the engine renders it as."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    try:
+        chat = responses_chat_body(body)
+    except PromptError as exc:
+        raise RequestError(400, str(exc), exc.param) from None
+    stream = _stream_flag(body)
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise RequestError(400, "previous_response_id must be a string", "previous_response_id")
+    model = body.get("model")
+    return ParsedRequest(
+        chat=True,
+        model=model if isinstance(model, str) else None,
+        token_ids=_encoded(encoder, CHAT_PATH, chat),
+        max_tokens=_positive_int(body, "max_output_tokens") or default_max_tokens,
+        stream=stream,
+        include_usage=False,
+        kv_transfer_params=None,
+        bootstrap=None,
+        responses=True,
+        previous_response=previous,
+    )
+
+
 def parse_request(
     body: Any, *, chat: bool, encoder: PromptEncoder, default_max_tokens: int
 ) -> ParsedRequest:
@@ -142,11 +184,7 @@ def parse_request(
     max_tokens = _positive_int(body, "max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = _positive_int(body, "max_tokens") or default_max_tokens
-    stream = body.get("stream")
-    if stream is None:  # vLLM: boolean or null, default false
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError(400, "stream must be a boolean", "stream")
+    stream = _stream_flag(body)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options must be an object", "stream_options")

@@ -1,7 +1,8 @@
 """The emulator's HTTP server (aiohttp) and its in-process API.
 
 Public endpoints are the ones a vLLM / SGLang server has: ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``, ``/reset_prefix_cache``.
+``/v1/chat/completions``, ``/v1/responses``, ``/v1/models``, ``/health``, ``/metrics``,
+``/reset_prefix_cache``.
 Emulator-internal ones model what the engines do off HTTP:
 - ``POST /internal/kv/pull`` - vLLM NIXL side channel: a decode pulls a pinned prompt's KV;
 - ``GET /bootstrap/room/{room}`` - SGLang bootstrap: long-poll until the room's prefill is done;
@@ -25,7 +26,13 @@ from replay.emulator.config import EmulatorConfig
 from replay.emulator.kv_publisher import KVEventPublisher
 from replay.emulator.openai_api import RequestError
 from replay.emulator.pd import http_host
-from replay.emulator.serving import STATE_KEY, chat_completions, completions, error_response
+from replay.emulator.serving import (
+    STATE_KEY,
+    chat_completions,
+    completions,
+    error_response,
+    responses,
+)
 from replay.emulator.state import EmulatorState, build_state
 
 _MAX_POLL_S = 60.0
@@ -223,6 +230,7 @@ def build_app(state: EmulatorState) -> web.Application:
     app[STATE_KEY] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

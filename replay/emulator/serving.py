@@ -1,4 +1,5 @@
-"""``/v1/completions`` and ``/v1/chat/completions``: one request from arrival to last token.
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses``: one request from
+arrival to last token (the Responses API's shapes: replay/emulator/responses_shapes.py).
 
 Which leg a request is comes from the request itself:
 - vLLM protocol, ``kv_transfer_params.do_remote_decode`` -> prefill leg: prefill, one token,
@@ -36,9 +37,11 @@ from replay.emulator.openai_api import (
     ResponseShaper,
     error_body,
     parse_request,
+    parse_responses_request,
     usage,
 )
 from replay.emulator.pd import PinnedKV, pull_kv, wait_room
+from replay.emulator.responses_shapes import ResponsesShaper, responses_usage
 from replay.emulator.runtime import Kind, Refused, RequestStream
 from replay.emulator.state import EmulatorState
 
@@ -196,7 +199,8 @@ class _Run:
             self.state.metrics.finished("abort")
 
     def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, self.generated, self.cached_tokens)
+        shape = responses_usage if self.req.responses else usage
+        return shape(self.prompt_tokens, self.generated, self.cached_tokens)
 
 
 def _refusal_message(state: EmulatorState, reason: str) -> str:
@@ -212,9 +216,15 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _whole(run: _Run, shaper: ResponseShaper, headers: dict[str, str]) -> web.Response:
+Shaper = ResponseShaper | ResponsesShaper
+
+
+async def _whole(run: _Run, shaper: Shaper, headers: dict[str, str]) -> web.Response:
     async for _ in run.tokens():
         pass
+    if isinstance(shaper, ResponsesShaper):
+        run.state.responses.add(shaper.id)
+        return web.json_response(shaper.response(run.generated, run.usage(), True), headers=headers)
     body = shaper.full(run.generated, "length", run.usage())
     if run.state.config.protocol is PDProtocol.VLLM:
         body["kv_transfer_params"] = run.kv_params
@@ -222,7 +232,7 @@ async def _whole(run: _Run, shaper: ResponseShaper, headers: dict[str, str]) -> 
 
 
 async def _stream(
-    request: web.Request, run: _Run, shaper: ResponseShaper, headers: dict[str, str]
+    request: web.Request, run: _Run, shaper: Shaper, headers: dict[str, str]
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -234,9 +244,9 @@ async def _stream(
         return resp  # the client left; serve()'s cleanup aborts the request
 
 
-async def _write_tokens(
-    resp: web.StreamResponse, run: _Run, shaper: ResponseShaper
-) -> web.StreamResponse:
+async def _write_tokens(resp: web.StreamResponse, run: _Run, shaper: Shaper) -> web.StreamResponse:
+    if isinstance(shaper, ResponsesShaper):
+        return await _write_events(resp, run, shaper)
     index = 0
     try:
         async for n in run.tokens():
@@ -253,7 +263,39 @@ async def _write_tokens(
     return resp
 
 
-async def serve(request: web.Request, chat: bool) -> web.StreamResponse:
+async def _write_events(
+    resp: web.StreamResponse, run: _Run, shaper: ResponsesShaper
+) -> web.StreamResponse:
+    """A Responses stream: its opening events at once, a delta event per token, the close."""
+    await resp.write(shaper.opening())
+    index = 0
+    try:
+        async for n in run.tokens():
+            for _ in range(n):
+                await resp.write(shaper.token(index))
+                index += 1
+        await resp.write(shaper.closing(run.generated, run.usage()))
+        run.state.responses.add(shaper.id)
+    except RequestError as exc:  # vLLM's error event of a Responses stream
+        await resp.write(shaper.event("error", code=str(exc.status), message=exc.message))
+    await resp.write_eof()
+    return resp
+
+
+def _parse(state: EmulatorState, body: Any, chat: bool, responses: bool) -> ParsedRequest:
+    limit = state.config.default_max_tokens
+    if not responses:
+        return parse_request(
+            body, chat=chat, encoder=state.prompt_encoder, default_max_tokens=limit
+        )
+    req = parse_responses_request(body, encoder=state.prompt_encoder, default_max_tokens=limit)
+    previous = req.previous_response
+    if previous is not None and previous not in state.responses:  # vLLM's answer
+        raise RequestError(404, f"Response with id '{previous}' not found.", "response_id")
+    return req
+
+
+async def serve(request: web.Request, chat: bool, responses: bool = False) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     ext_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     headers = {"X-Request-Id": ext_id}
@@ -262,16 +304,14 @@ async def serve(request: web.Request, chat: bool) -> web.StreamResponse:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return error_response(RequestError(400, "the request body is not valid JSON"), headers)
     try:
-        req = parse_request(
-            body,
-            chat=chat,
-            encoder=state.prompt_encoder,
-            default_max_tokens=state.config.default_max_tokens,
-        )
+        req = _parse(state, body, chat, responses)
     except RequestError as exc:
         return error_response(exc, headers)
     run = _Run(state, req, ext_id, choose_leg(state, req))
-    shaper = ResponseShaper(chat, ext_id, req.model or state.config.served_model)
+    model = req.model or state.config.served_model
+    shaper: Shaper = ResponseShaper(chat, ext_id, model)
+    if responses:
+        shaper = ResponsesShaper(ext_id, model, req.previous_response, req.max_tokens)
     try:
         await run.admit()
         if req.stream:
@@ -289,3 +329,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await serve(request, chat=True)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await serve(request, chat=True, responses=True)

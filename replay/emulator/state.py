@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -11,6 +11,7 @@ from replay.emulator.config import EmulatorConfig
 from replay.emulator.kv_publisher import KVEventPublisher
 from replay.emulator.metrics import EmulatorMetrics, EngineLoad
 from replay.emulator.pd import BootstrapRooms, PinnedStore, TransferModel
+from replay.emulator.responses_shapes import StoredResponses
 from replay.emulator.runtime import EngineRuntime
 from replay.engine.engine import Engine
 from replay.engine.network import Network
@@ -36,6 +37,7 @@ class EmulatorState:
     publisher: KVEventPublisher | None = None
     session: aiohttp.ClientSession | None = None  # outbound: KV pulls and bootstrap polls
     port: int = 0
+    responses: StoredResponses = field(default_factory=StoredResponses)  # /v1/responses made
     _next_block_id: int = 0
 
     @property

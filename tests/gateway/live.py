@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
+import aiohttp
 import uvicorn
 
 from gateway.stack import LiveStack, StackSpec
@@ -70,3 +71,16 @@ async def serving(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+async def with_stack(
+    spec: StackSpec, check: Callable[[LiveStack, aiohttp.ClientSession], Awaitable[T]]
+) -> T:
+    """``check(stack, session)`` against a LiveStack started for it (stopped after)."""
+    stack = LiveStack(spec)
+    await stack.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            return await check(stack, s)
+    finally:
+        await stack.stop()

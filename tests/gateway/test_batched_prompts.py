@@ -15,6 +15,7 @@ import pytest
 from gateway.batched_prompts import batch_of_prompts
 from gateway.openai import BadRequest
 from gateway.stack import LiveStack, StackSpec
+from tests.gateway.live import with_stack
 
 LONG_A = "alpha beta gamma delta " * 60
 LONG_B = "one two three four five six " * 60
@@ -46,13 +47,7 @@ def test_a_list_of_two_or_more_prompts_is_a_batch() -> None:
 async def _with_stack(
     check: Callable[[LiveStack, aiohttp.ClientSession], Awaitable[Any]], time_scale: float = 0.02
 ) -> Any:
-    stack = LiveStack(StackSpec(colocated=2, time_scale=time_scale))
-    await stack.start()
-    try:
-        async with aiohttp.ClientSession() as s:
-            return await check(stack, s)
-    finally:
-        await stack.stop()
+    return await with_stack(StackSpec(colocated=2, time_scale=time_scale), check)
 
 
 def _books(stack: LiveStack) -> tuple[int, int]:

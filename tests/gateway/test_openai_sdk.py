@@ -76,3 +76,22 @@ def test_books_return_to_zero(stack) -> None:
         )
 
     assert stack.call(books) == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    with live_stack(StackSpec(colocated=2, time_scale=0.02)) as s:
+        yield s
+
+
+def test_responses_whole_streamed_and_continued(colocated) -> None:
+    c = client(colocated)
+    first = c.responses.create(model="m", instructions="Be terse.", input="Hi", max_output_tokens=4)
+    assert first.output_text and first.usage is not None and first.usage.output_tokens == 4
+    events = list(c.responses.create(model="m", input="Count", max_output_tokens=5, stream=True))
+    assert [e.type for e in events].count("response.output_text.delta") == 5
+    assert events[-1].type == "response.completed"
+    follow = c.responses.create(
+        model="m", input="More", max_output_tokens=2, previous_response_id=first.id
+    )
+    assert follow.previous_response_id == first.id

@@ -12,6 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from config.loader import settings_from_dict
+from config.settings import Settings
 from gateway.app import build_app
 from tests.real.conftest import EngineInstall
 from tests.real.engines import (
@@ -50,11 +51,9 @@ def _counter(url: str, name: str) -> float:
     return total
 
 
-def test_each_model_reaches_only_its_own_engine(
-    engines: tuple[EngineProcess, EngineProcess],
-) -> None:
-    vllm, llama = engines
-    settings = settings_from_dict(
+def _two_models(vllm: EngineProcess, llama: EngineProcess) -> Settings:
+    """One gateway, two models: vLLM's (its own tokenizer) and llama.cpp's."""
+    return settings_from_dict(
         {
             "server": {"health_interval_s": 10.0, "refit_interval_s": 0},
             "admission": {"mode": "none"},
@@ -72,6 +71,13 @@ def test_each_model_reaches_only_its_own_engine(
             ],
         }
     )
+
+
+def test_each_model_reaches_only_its_own_engine(
+    engines: tuple[EngineProcess, EngineProcess],
+) -> None:
+    vllm, llama = engines
+    settings = _two_models(vllm, llama)
     v_before = _counter(vllm.url, "vllm:prompt_tokens_total")
     l_before = _counter(llama.url, "llamacpp:prompt_tokens_total") + _counter(
         llama.url, "llamacpp:prompt_tokens_cached_total"
@@ -100,3 +106,29 @@ def test_each_model_reaches_only_its_own_engine(
         llama.url, "llamacpp:prompt_tokens_cached_total"
     )
     assert l_after - l_before == sent["llama-tiny"]
+
+
+def test_responses_reach_each_models_engine_whole_and_streamed(
+    engines: tuple[EngineProcess, EngineProcess],
+) -> None:
+    """``/v1/responses`` on both engines behind one gateway: vLLM's and llama.cpp's answers
+    relayed, their streams (a ``*.delta`` event per token or more) ended by
+    ``response.completed``, and every answer closed in kvgate's books."""
+    vllm, llama = engines
+    settings = _two_models(vllm, llama)
+    app = build_app(settings)
+    with TestClient(app) as client:
+        for model, iid in (("vllm-tiny", "v0"), ("llama-tiny", "l0")):
+            body = {"model": model, "instructions": "Be terse.", "input": "Paris? " * 20}
+            r = client.post("/v1/responses", json={**body, "max_output_tokens": 4})
+            assert r.status_code == 200 and r.headers["x-kvgate-decode"] == iid, r.text
+            assert r.json()["object"] == "response" and r.json()["usage"]["output_tokens"] == 4
+            r = client.post("/v1/responses", json={**body, "max_output_tokens": 5, "stream": True})
+            assert r.status_code == 200, r.text
+            events = [e for e in r.text.split("\n\n") if e.strip()]
+            assert events[0].startswith("event: response.created")
+            assert events[-1].startswith("event: response.completed")
+            assert any(e.startswith("event: response.output_text.delta") for e in events)
+        metrics = app.gateway.metrics.render().decode()
+        assert 'kvgate_requests_total{outcome="completed"} 4.0' in metrics
+        assert len(app.gateway.conductor.requests) == 0

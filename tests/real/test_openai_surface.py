@@ -1,7 +1,8 @@
 """In front of a real vLLM, kvgate answers as the engine does and leaves it no orphan work:
-a batch of prompts comes back in the engine's own batch shape, a client that leaves before a
-whole answer has its request aborted on the engine, and a burst of requests onto an idle
-engine runs there together (default admission)."""
+a batch of prompts comes back in the engine's own batch shape, a Responses request is placed by
+the very prompt the engine renders for it, a client that leaves before a whole answer has its
+request aborted on the engine, and a burst of requests onto an idle engine runs there together
+(default admission)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import pytest
 
 from config.loader import settings_from_dict
 from gateway.app import build_app
+from gateway.openai import CHAT
+from gateway.responses_api import ResponsesRoute
 from gateway.serve import start_server
 from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, start_vllm, stop_engine
@@ -28,7 +31,8 @@ pytestmark = pytest.mark.real_engine
 @pytest.fixture(scope="module")
 def vllm(vllm_install: EngineInstall) -> Iterator[EngineProcess]:
     (port,) = free_ports(1, 18200, 18260)
-    proc = start_vllm(port)
+    # The Responses store on, as a user continuing responses runs it (previous_response_id).
+    proc = start_vllm(port, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     yield proc
     stop_engine(proc)
 
@@ -214,3 +218,71 @@ def test_a_burst_onto_an_idle_engine_runs_together_under_default_admission(
     most, statuses, mode = _through_kvgate(vllm, check, admission="predictive")
     assert mode == "predictive" and statuses == [200] * 4
     assert most == 4, most
+
+
+RESPONSES_BODIES = {
+    "text": {"instructions": "You are terse.", "input": "Weather in Paris? " * 20},
+    "items": {
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "2+2"}]},
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 2}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "4"},
+            {"role": "user", "content": "and 3+3?"},
+        ],
+        "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}],
+    },
+    "partial": {
+        "input": [
+            {"role": "user", "content": "Count to five."},
+            {"type": "message", "role": "assistant", "status": "incomplete",
+             "content": [{"type": "output_text", "text": "one two"}]},
+        ]
+    },
+}  # fmt: skip
+
+
+def test_responses_are_placed_by_the_prompt_the_engine_renders(vllm: EngineProcess) -> None:
+    """kvgate's prompt for a Responses body is the engine's to the token (its ``input_tokens``),
+    the answers through kvgate are the engine's, a stream's tokens are counted, and a follow-up
+    continues a response made through kvgate."""
+
+    async def check(url: str, s: aiohttp.ClientSession, gw: Any):
+        out = {}
+        route = ResponsesRoute(gw.specs)
+        for name, extra in RESPONSES_BODIES.items():
+            body = {"model": "tiny", "max_output_tokens": 4, "temperature": 0, **extra}
+            head, _ = route.prompt(gw.parse_head(json.dumps(body).encode()))
+            ours = gw.parse_prompt(CHAT, head, {}, f"probe-{name}").info.prompt_tokens
+            answers = []
+            for base in (vllm.url, url):
+                async with s.post(base + "/v1/responses", json=body) as r:
+                    answers.append((r.status, await r.json()))
+            out[name] = (ours, answers)
+        body = {"model": "tiny", "input": "Say something.", "max_output_tokens": 6, "stream": True}
+        async with s.post(url + "/v1/responses", json=body) as r:
+            stream = (r.status, (await r.read()).decode())
+        made = out["text"][1][1][1]["id"]  # through kvgate
+        again = {
+            "model": "tiny",
+            "input": "More.",
+            "max_output_tokens": 3,
+            "previous_response_id": made,
+        }
+        async with s.post(url + "/v1/responses", json=again) as r:
+            follow = (r.status, await r.json())
+        metrics = gw.metrics.render().decode()
+        return out, stream, follow, metrics, len(gw.conductor.requests)
+
+    out, (status, text), follow, metrics, books = _through_kvgate(vllm, check)
+    for name, (ours, ((s1, direct), (s2, through))) in out.items():
+        assert s1 == s2 == 200, (name, direct, through)
+        assert ours == direct["usage"]["input_tokens"] == through["usage"]["input_tokens"], name
+        assert direct.keys() == through.keys() and through["object"] == "response"
+    events = [e for e in text.split("\n\n") if e.strip()]
+    completed = json.loads(events[-1].split("data: ", 1)[1])["response"]
+    deltas = sum(e.startswith("event: response.output_text.delta") for e in events)
+    # an event carries one or more tokens (vLLM's detokenizer holds back partial words)
+    assert status == 200 and 0 < deltas <= completed["usage"]["output_tokens"] == 6
+    assert follow[0] == 200 and follow[1]["previous_response_id"] == out["text"][1][1][1]["id"]
+    assert 'kvgate_requests_total{outcome="completed"} 5.0' in metrics  # 3 + stream + follow-up
+    assert books == 0
