@@ -25,7 +25,8 @@ from dataclasses import replace
 from typing import Any
 
 from config.settings import EngineKind, InstanceSettings, Role
-from gateway.openai import BadRequest, RequestHead
+from gateway.openai import CHAT, BadRequest, ParsedRequest, RequestHead
+from gateway.proxy_deps import ProxyGateway
 from routing.prompt import PromptError
 from routing.responses_input import responses_chat_body
 
@@ -108,6 +109,18 @@ class ResponsesRoute:
         if owner is None:  # not made through this gateway: the engines answer for it
             return chat, frozenset()
         return chat, frozenset(i for i in self.specs if i != owner)
+
+    async def parse(
+        self, gw: ProxyGateway, raw: bytes, headers: Mapping[str, str], request_id: str
+    ) -> tuple[ParsedRequest, frozenset[str]]:
+        """The request as the core needs it (its prompt the rendered chat, its body the
+        client's) and the instances it must not be placed on; raises BadRequest."""
+        head = gw.parse_head(raw)
+        chat, exclude = self.prompt(head)
+        await gw.tokenize_ahead(CHAT, chat)
+        parsed = gw.parse_prompt(CHAT, chat, headers, request_id)
+        parsed.body = head.body  # what is forwarded
+        return parsed, exclude
 
     def answered(self, instance_id: str, answer: bytes) -> None:
         """A whole answer, or a stream's first chunk, came from ``instance_id``."""

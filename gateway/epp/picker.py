@@ -51,7 +51,15 @@ from gateway.epp.protocol import MessageTimeouts
 from gateway.epp.request_spans import RequestSpans
 from gateway.learning import DecisionRecord
 from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body
-from gateway.relay import cache_report, observe_gaps, shutting_down_body, usage_tokens
+from gateway.relay import (
+    StreamMarks,
+    cache_report,
+    observe_gaps,
+    shutting_down_body,
+    usage_tokens,
+)
+from gateway.responses_api import RESPONSES, ResponsesRoute
+from gateway.responses_api import TOKEN_MARK as RESPONSES_TOKEN
 from gateway.runtime import Gateway
 from gateway.tenants import Refusal, TenantGate
 from routing.fleet_pools import least_loaded
@@ -59,7 +67,7 @@ from routing.prompt import TOKEN_EVENT, TOKEN_EVENT_SPACED
 from routing.types import Decision, Rejection, RejectReason
 
 Pairs = list[tuple[bytes, bytes]]
-_PLACED_PATHS = (COMPLETIONS, CHAT)
+_PLACED_PATHS = (COMPLETIONS, CHAT, RESPONSES)
 _TOKEN_FLUSH = 16  # as gateway/relay.py: streamed tokens reach the books in batches
 _KEEP_BODY = 1 << 20  # a non-streamed answer is kept up to this for its usage (else its tail)
 
@@ -94,6 +102,8 @@ class Flight:
     request_body: bytes | None = None
     kept: int = 0
     closed: bool = False
+    marks: StreamMarks | None = None  # a Responses API answer (gateway/responses_api.py)
+    first_seen: bool = False  # its first token reached the books
 
     @property
     def request_id(self) -> str:
@@ -133,6 +143,7 @@ class Picker:
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self.tenants = TenantGate(gw)  # keys, rate limits, fair share (or off)
         self.spans = RequestSpans(gw.tracing)  # with tracing on
+        self.responses = ResponsesRoute(gw.specs)  # /v1/responses: its prompt and its owners
 
     # ------------------------------------------------------------------ the pick
     def too_large(self, size: int) -> Immediate | None:
@@ -171,8 +182,12 @@ class Picker:
         tenant = self.tenants.identify(headers)  # "" with tenants off
         if isinstance(tenant, Refusal):
             return Immediate(tenant.status, tenant.body, [*tenant.headers, rid_header])
+        exclude: frozenset[str] = frozenset()  # a Responses follow-up: all but its owner
         try:
-            parsed = await gw.parse(path, raw, headers, rid)
+            if path == RESPONSES:
+                parsed, exclude = await self.responses.parse(gw, raw, headers, rid)
+            else:
+                parsed = await gw.parse(path, raw, headers, rid)
         except BadRequest as exc:
             gw.metrics.requests.labels("bad_request").inc()
             self.tenants.count(tenant, "bad_request")
@@ -183,7 +198,7 @@ class Picker:
         decision_span = self.spans.start(rid, headers)
         t0 = time.perf_counter()
         now = gw.clock()
-        decision = gw.conductor.schedule(parsed.info, now)
+        decision = gw.conductor.schedule(parsed.info, now, exclude)
         if isinstance(decision, Decision):  # a tenant over its fair share may be turned away
             decision = self.tenants.screen(decision, parsed.info, now)
         if isinstance(decision, Decision):
@@ -195,6 +210,7 @@ class Picker:
             isinstance(decision, Rejection)
             and decision.reason is RejectReason.TBT_SLO
             and self.timeouts.max_wait_s > 0
+            and not exclude  # a wait's release may place it anywhere
         ):
             # It may wait for decode room (gateway/decode_waits.py) instead of a 429 now.
             held = gw.decode_waits.hold(decision, parsed.info, self.tenants.screen)
@@ -254,6 +270,8 @@ class Picker:
         # x-request-id (the id kvgate keys its books with) and the trace context
         upstream = [*answer[:1], *self.spans.placed(rid, decision.prefill), *prefiller]
         flight = Flight(parsed, decision, record, endpoints, answer, upstream)
+        if path == RESPONSES:
+            flight.marks = StreamMarks(RESPONSES_TOKEN)
         slot = (
             gw.pin_slot(rid, decision.prefill, parsed.info.block_hashes) if not prefiller else None
         )
@@ -291,13 +309,21 @@ class Picker:
             return
         gw = self.gw
         now = gw.clock()
-        if not f.stamps:
+        marks = f.marks
+        if not f.first_seen and (marks is None or not f.parsed.stream or marks.token in data):
+            # (a Responses stream's first token is its first delta event, not its first chunk)
+            f.first_seen = True
             f.record.observed_ttft_s = gw.conductor.first_token(f.request_id, now)
             if f.record.observed_ttft_s is not None:
                 gw.metrics.ttft.observe(f.record.observed_ttft_s)
+        if marks is not None and not f.stamps:
+            marks.opening = data
         f.stamps.append(now)
         if f.parsed.stream:
-            f.tokens += data.count(TOKEN_EVENT) or data.count(TOKEN_EVENT_SPACED)
+            if marks is None:
+                f.tokens += data.count(TOKEN_EVENT) or data.count(TOKEN_EVENT_SPACED)
+            else:
+                f.tokens += data.count(marks.token)
             if f.tokens - f.reported >= _TOKEN_FLUSH:
                 gw.conductor.tokens(f.request_id, f.tokens - f.reported, now)
                 f.reported = f.tokens
@@ -317,10 +343,13 @@ class Picker:
             self.failed(f, "upstream_error")
             return
         now = gw.clock()
-        if not f.stamps:  # an empty answer still answered
+        if not f.first_seen:  # an answer without a token still answered
             f.record.observed_ttft_s = gw.conductor.first_token(f.request_id, now)
         tail = b"".join(f.body)
-        tokens = f.tokens if f.parsed.stream else usage_tokens(tail)
+        # A stream's own usage where it ends with one (an event may carry several tokens).
+        tokens = (usage_tokens(tail) or f.tokens) if f.parsed.stream else usage_tokens(tail)
+        if f.marks is not None:  # which instance holds this response, for its follow-ups
+            self.responses.answered(f.decision.decode, f.marks.opening or tail)
         if f.parsed.stream and len(f.stamps) > 1 and f.tokens > 1:
             f.record.observed_tbt_s = (f.stamps[-1] - f.stamps[0]) / (f.tokens - 1)
         observe_gaps(gw.metrics.tbt, f.stamps)
