@@ -106,7 +106,9 @@ class ResponsesRoute:
             raise BadRequest(str(exc), exc.param) from None
         previous = previous_response(head.body)
         owner = self.owners.owner(previous) if previous is not None else None
-        if owner is None:  # not made through this gateway: the engines answer for it
+        if owner is None or owner not in self.specs:
+            # Not made through this gateway (or its engine left the fleet, the response with
+            # it): placed as any request, the engine answers for it.
             return chat, frozenset()
         return chat, frozenset(i for i in self.specs if i != owner)
 

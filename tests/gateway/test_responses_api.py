@@ -49,6 +49,9 @@ def test_a_follow_up_may_go_only_to_the_owner_and_pd_pools_refuse() -> None:
     assert llama.prompt(head)[0].body["add_special_tokens"] is False  # llama.cpp's
     unknown = RequestHead({"input": "hi", "previous_response_id": "resp_x"}, False, None, 10)
     assert route.prompt(unknown)[1] == frozenset()  # not made here: the engines answer for it
+    route.answered("gone", b'{"id":"resp_8"}')  # an instance since removed from the fleet
+    gone = RequestHead({"input": "hi", "previous_response_id": "resp_8"}, False, None, 10)
+    assert route.prompt(gone)[1] == frozenset()
     pd = ResponsesRoute({s.id: s for s in (_spec("p", Role.PREFILL), _spec("d", Role.DECODE))})
     with pytest.raises(BadRequest, match="colocated pools only"):
         pd.prompt(RequestHead({"input": "hi"}, False, None, 10))
