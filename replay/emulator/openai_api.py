@@ -97,8 +97,6 @@ def _prompt_tokens(body: dict[str, Any], chat: bool, encoder: PromptEncoder) -> 
         return _encoded(encoder, "/v1/completions", body) if prompt else []
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return _token_list(prompt, "prompt")
-    if isinstance(prompt, list):
-        raise RequestError(400, "batched prompts are not supported by the emulator", "prompt")
     raise RequestError(400, "prompt must be a string or a list of token ids", "prompt")
 
 

@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from replay.emulator.batch_serving import completions
 from replay.emulator.config import EmulatorConfig
 from replay.emulator.kv_publisher import KVEventPublisher
 from replay.emulator.openai_api import RequestError
@@ -29,7 +30,6 @@ from replay.emulator.pd import http_host
 from replay.emulator.serving import (
     STATE_KEY,
     chat_completions,
-    completions,
     error_response,
     responses,
 )

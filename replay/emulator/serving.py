@@ -75,7 +75,7 @@ def error_response(exc: RequestError, headers: dict[str, str]) -> web.Response:
     )
 
 
-class _Run:
+class RequestRun:
     """One request inside this instance: admission, then its tokens as they are made."""
 
     def __init__(self, state: EmulatorState, req: ParsedRequest, ext_id: str, leg: Leg) -> None:
@@ -212,14 +212,14 @@ def _refusal_message(state: EmulatorState, reason: str) -> str:
     return f"the engine refused the request: {reason}"
 
 
-def _sse(obj: Any) -> bytes:
+def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 Shaper = ResponseShaper | ResponsesShaper
 
 
-async def _whole(run: _Run, shaper: Shaper, headers: dict[str, str]) -> web.Response:
+async def _whole(run: RequestRun, shaper: Shaper, headers: dict[str, str]) -> web.Response:
     async for _ in run.tokens():
         pass
     if isinstance(shaper, ResponsesShaper):
@@ -232,7 +232,7 @@ async def _whole(run: _Run, shaper: Shaper, headers: dict[str, str]) -> web.Resp
 
 
 async def _stream(
-    request: web.Request, run: _Run, shaper: Shaper, headers: dict[str, str]
+    request: web.Request, run: RequestRun, shaper: Shaper, headers: dict[str, str]
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -244,7 +244,9 @@ async def _stream(
         return resp  # the client left; serve()'s cleanup aborts the request
 
 
-async def _write_tokens(resp: web.StreamResponse, run: _Run, shaper: Shaper) -> web.StreamResponse:
+async def _write_tokens(
+    resp: web.StreamResponse, run: RequestRun, shaper: Shaper
+) -> web.StreamResponse:
     if isinstance(shaper, ResponsesShaper):
         return await _write_events(resp, run, shaper)
     index = 0
@@ -252,19 +254,19 @@ async def _write_tokens(resp: web.StreamResponse, run: _Run, shaper: Shaper) -> 
         async for n in run.tokens():
             for _ in range(n):
                 finish = "length" if index == run.target - 1 else None
-                await resp.write(_sse(shaper.chunk(index, finish)))
+                await resp.write(sse(shaper.chunk(index, finish)))
                 index += 1
         if run.req.include_usage:
-            await resp.write(_sse(shaper.usage_chunk(run.usage())))
+            await resp.write(sse(shaper.usage_chunk(run.usage())))
     except RequestError as exc:  # too late for a status code: an error event, as vLLM does
-        await resp.write(_sse(error_body(exc.status, exc.message)))
+        await resp.write(sse(error_body(exc.status, exc.message)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 
 
 async def _write_events(
-    resp: web.StreamResponse, run: _Run, shaper: ResponsesShaper
+    resp: web.StreamResponse, run: RequestRun, shaper: ResponsesShaper
 ) -> web.StreamResponse:
     """A Responses stream: its opening events at once, a delta event per token, the close."""
     await resp.write(shaper.opening())
@@ -307,7 +309,7 @@ async def serve(request: web.Request, chat: bool, responses: bool = False) -> we
         req = _parse(state, body, chat, responses)
     except RequestError as exc:
         return error_response(exc, headers)
-    run = _Run(state, req, ext_id, choose_leg(state, req))
+    run = RequestRun(state, req, ext_id, choose_leg(state, req))
     model = req.model or state.config.served_model
     shaper: Shaper = ResponseShaper(chat, ext_id, model)
     if responses:
@@ -321,10 +323,6 @@ async def serve(request: web.Request, chat: bool, responses: bool = False) -> we
         return error_response(exc, headers)
     finally:
         run.close()  # unfinished here = the client left: take it out of the engine
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await serve(request, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
