@@ -11,15 +11,12 @@ harnesses) work through kvgate as they do against the engine.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.answers import read_body
-from gateway.openai import BadRequest, error_body
+from gateway.openai import BadRequest, error_body, parse_head
 from gateway.proxy_deps import ProxyGateway
 from routing.fleet_pools import least_loaded
 
@@ -65,12 +62,7 @@ class EnginePassthrough:
         With one configured model a body without ``model`` means it (llama.cpp's bodies have
         none); raises BadRequest as the completion endpoints do."""
         models = self.gw.settings.models
-        try:
-            body: Any = json.loads(raw) if raw else {}
-        except (ValueError, RecursionError):
-            raise BadRequest("request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
+        body = parse_head(raw or b"{}").body  # a JSON object, read as the completions' are
         if not models:
             return None
         if body.get("model") is None and len(models) == 1:

@@ -339,9 +339,6 @@ class CompletionHandler:
                 tokens, tail = await relay_stream(
                     upstream, record, send, gw.conductor, gw.metrics, gw.clock, start, marks
                 )
-                # The engine's own count where its stream ends with usage: an event may carry
-                # several tokens (its detokenizer holds back a partial word).
-                tokens = usage_tokens(tail) or tokens
             else:
                 tail = await upstream.read()
                 now = gw.clock()

@@ -75,7 +75,8 @@ async def relay_stream(
     marks: StreamMarks | None = None,
 ) -> tuple[int, bytes]:
     """Relays the SSE answer chunk by chunk as it arrives, keeping the books (first token,
-    streamed tokens, time between chunks); returns the tokens it carried and the answer's
+    streamed tokens, time between chunks); returns the tokens it carried (the final usage's
+    count where the stream has one, else its token events) and the answer's
     last two chunks (where a final usage chunk is, for ``cache_report``). ``start`` goes out
     just before the first chunk (or the end of an empty answer). Without ``marks`` (a
     completion's stream) the first chunk is the first token; with them, the first chunk
@@ -131,9 +132,13 @@ async def relay_stream(
                 break
     finally:
         observe_gaps(metrics.tbt, stamps)
+    tail = before + last
+    # The engine's own count where the stream ends with usage: an event may carry several
+    # tokens (a detokenizer holds back a partial word).
+    tokens = usage_tokens(tail) or tokens
     if tokens > 1:
         record.observed_tbt_s = (stamps[-1] - first) / (tokens - 1)
-    return tokens, before + last
+    return tokens, tail
 
 
 class ClientWatch:

@@ -103,7 +103,7 @@ class Flight:
     kept: int = 0
     closed: bool = False
     marks: StreamMarks | None = None  # a Responses API answer (gateway/responses_api.py)
-    first_seen: bool = False  # its first token reached the books
+    first_token_at: float | None = None  # when its first token reached the books
 
     @property
     def request_id(self) -> str:
@@ -310,9 +310,10 @@ class Picker:
         gw = self.gw
         now = gw.clock()
         marks = f.marks
-        if not f.first_seen and (marks is None or not f.parsed.stream or marks.token in data):
-            # (a Responses stream's first token is its first delta event, not its first chunk)
-            f.first_seen = True
+        if f.first_token_at is None and (
+            marks is None or not f.parsed.stream or marks.token in data
+        ):  # (a Responses stream's first token is its first delta event, not its first chunk)
+            f.first_token_at = now
             f.record.observed_ttft_s = gw.conductor.first_token(f.request_id, now)
             if f.record.observed_ttft_s is not None:
                 gw.metrics.ttft.observe(f.record.observed_ttft_s)
@@ -343,15 +344,15 @@ class Picker:
             self.failed(f, "upstream_error")
             return
         now = gw.clock()
-        if not f.first_seen:  # an answer without a token still answered
+        if f.first_token_at is None:  # an answer without a token still answered
             f.record.observed_ttft_s = gw.conductor.first_token(f.request_id, now)
         tail = b"".join(f.body)
         # A stream's own usage where it ends with one (an event may carry several tokens).
         tokens = (usage_tokens(tail) or f.tokens) if f.parsed.stream else usage_tokens(tail)
         if f.marks is not None:  # which instance holds this response, for its follow-ups
             self.responses.answered(f.decision.decode, f.marks.opening or tail)
-        if f.parsed.stream and len(f.stamps) > 1 and f.tokens > 1:
-            f.record.observed_tbt_s = (f.stamps[-1] - f.stamps[0]) / (f.tokens - 1)
+        if f.parsed.stream and f.first_token_at is not None and tokens > 1:
+            f.record.observed_tbt_s = (f.stamps[-1] - f.first_token_at) / (tokens - 1)
         observe_gaps(gw.metrics.tbt, f.stamps)
         d, rid = f.decision, f.request_id
         feedback = gw.conductor.cache_feedback(rid, now, *cache_report(tail))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import uuid
 from typing import Any
 
 from aiohttp import web
@@ -24,26 +22,32 @@ from replay.emulator.openai_api import (
     parse_request,
     usage,
 )
-from replay.emulator.serving import STATE_KEY, Leg, RequestRun, error_response, serve, sse
+from replay.emulator.serving import (
+    STATE_KEY,
+    Leg,
+    RequestRun,
+    error_response,
+    json_body,
+    request_ids,
+    serve_body,
+    sse,
+)
 from replay.emulator.state import EmulatorState
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """``/v1/completions``: a batch of prompts here, a single prompt by ``serving.serve``."""
-    ext_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    headers = {"X-Request-Id": ext_id}
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = None  # serve() answers it
+    """``/v1/completions``: a batch of prompts here, a single prompt by ``serving``; the body
+    is read and parsed once."""
+    ext_id, headers = request_ids(request)
     state = request.app[STATE_KEY]
     try:
+        body = await json_body(request)
         prompts = batch_of_prompts(body)
-        if prompts is None:
-            return await serve(request, chat=False)
-        reqs = parse_batch(state, body, prompts)
+        reqs = parse_batch(state, body, prompts) if prompts is not None else None
     except RequestError as exc:
         return error_response(exc, headers)
+    if reqs is None:
+        return await serve_body(request, body, ext_id, headers, chat=False)
     return await serve_batch(request, state, reqs, ext_id, headers)
 
 

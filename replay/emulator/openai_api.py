@@ -8,7 +8,7 @@ Only what matters to a gateway is real: prompt length and content (for prefix ca
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from routing.prompt import PromptError
@@ -141,30 +141,24 @@ def _bootstrap(body: dict[str, Any]) -> Bootstrap | None:
 def parse_responses_request(
     body: Any, *, encoder: PromptEncoder, default_max_tokens: int
 ) -> ParsedRequest:
-    """A ``/v1/responses`` body: its prompt is the chat the engine renders it as."""
+    """A ``/v1/responses`` body, parsed as the chat request the engine renders it as."""
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
+    _positive_int(body, "max_output_tokens")  # named in its own error, not as max_tokens
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise RequestError(400, "previous_response_id must be a string", "previous_response_id")
     try:
         chat = responses_chat_body(body)
     except PromptError as exc:
         raise RequestError(400, str(exc), exc.param) from None
-    stream = _stream_flag(body)
-    previous = body.get("previous_response_id")
-    if previous is not None and not isinstance(previous, str):
-        raise RequestError(400, "previous_response_id must be a string", "previous_response_id")
-    model = body.get("model")
-    return ParsedRequest(
+    req = parse_request(
+        {**chat, "model": body.get("model")},
         chat=True,
-        model=model if isinstance(model, str) else None,
-        token_ids=_encoded(encoder, CHAT_PATH, chat),
-        max_tokens=_positive_int(body, "max_output_tokens") or default_max_tokens,
-        stream=stream,
-        include_usage=False,
-        kv_transfer_params=None,
-        bootstrap=None,
-        responses=True,
-        previous_response=previous,
+        encoder=encoder,
+        default_max_tokens=default_max_tokens,
     )
+    return replace(req, responses=True, previous_response=previous)
 
 
 def parse_request(

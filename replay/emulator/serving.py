@@ -284,9 +284,9 @@ async def _write_events(
     return resp
 
 
-def _parse(state: EmulatorState, body: Any, chat: bool, responses: bool) -> ParsedRequest:
+def _parse(state: EmulatorState, body: Any, chat: bool, is_responses: bool) -> ParsedRequest:
     limit = state.config.default_max_tokens
-    if not responses:
+    if not is_responses:
         return parse_request(
             body, chat=chat, encoder=state.prompt_encoder, default_max_tokens=limit
         )
@@ -297,22 +297,46 @@ def _parse(state: EmulatorState, body: Any, chat: bool, responses: bool) -> Pars
     return req
 
 
-async def serve(request: web.Request, chat: bool, responses: bool = False) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
+def request_ids(request: web.Request) -> tuple[str, dict[str, str]]:
+    """The request's id (the client's X-Request-Id, else a new one) and the answer's headers."""
     ext_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    headers = {"X-Request-Id": ext_id}
+    return ext_id, {"X-Request-Id": ext_id}
+
+
+async def json_body(request: web.Request) -> Any:
     try:
-        body = await request.json()
+        return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return error_response(RequestError(400, "the request body is not valid JSON"), headers)
+        raise RequestError(400, "the request body is not valid JSON") from None
+
+
+async def serve(request: web.Request, chat: bool, is_responses: bool = False) -> web.StreamResponse:
+    ext_id, headers = request_ids(request)
     try:
-        req = _parse(state, body, chat, responses)
+        body = await json_body(request)
+    except RequestError as exc:
+        return error_response(exc, headers)
+    return await serve_body(request, body, ext_id, headers, chat, is_responses)
+
+
+async def serve_body(
+    request: web.Request,
+    body: Any,
+    ext_id: str,
+    headers: dict[str, str],
+    chat: bool,
+    is_responses: bool = False,
+) -> web.StreamResponse:
+    """One request whose body is read already (a single prompt, one engine request)."""
+    state = request.app[STATE_KEY]
+    try:
+        req = _parse(state, body, chat, is_responses)
     except RequestError as exc:
         return error_response(exc, headers)
     run = RequestRun(state, req, ext_id, choose_leg(state, req))
     model = req.model or state.config.served_model
     shaper: Shaper = ResponseShaper(chat, ext_id, model)
-    if responses:
+    if is_responses:
         shaper = ResponsesShaper(ext_id, model, req.previous_response, req.max_tokens)
     try:
         await run.admit()
@@ -330,4 +354,4 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await serve(request, chat=True, responses=True)
+    return await serve(request, chat=True, is_responses=True)

@@ -66,6 +66,8 @@ def test_a_responses_stream_counts_its_tokens_from_its_usage_and_first_delta() -
     usage = json.loads(events[-1].split(b"data: ", 1)[1])["response"]["usage"]
     picker.finished(f)
     assert f.record.observed_ttft_s == 4.0  # the first delta's (104), not the opening's (101)
+    # from the first token, over the engine's 5 tokens (4 delta events): not from the opening
+    assert f.record.observed_tbt_s == (clock[0] - 104.0) / (5 - 1)
     assert rid not in gw.conductor.requests and usage["output_tokens"] == 5
     made = json.loads(events[0].split(b"data: ", 1)[1])["response"]["id"]
     assert picker.responses.owners.owner(made) == f.decision.decode
