@@ -22,10 +22,8 @@ from gateway.replica_exchange import (
     GAP_COST_FACTOR,
     MIN_DISPATCH_GAP_S,
     ReplicaExchange,
-    Snapshot,
-    decode,
-    encode,
 )
+from gateway.replica_snapshot import Snapshot, decode, encode
 from routing.conductor import Conductor
 from routing.replica_load import ReplicaLoad, own_work
 from routing.types import Decision, RequestInfo

@@ -79,7 +79,8 @@ class CompletionHandler:
         self.tenants = tenants or TenantGate(gw)  # keys, rate limits, fair share (or off)
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self.batches = BatchedCompletion(self)  # a list of prompts: one request per prompt
-        self.responses = ResponsesRoute(gw.specs)  # /v1/responses: its prompt and its owners
+        # /v1/responses: its prompt and its owners (shared with the other replicas)
+        self.responses = ResponsesRoute(gw.specs, gw.response_owners)
         requests = gw.metrics.requests
         self._completed = requests.labels("completed")
         self._rejected = requests.labels("rejected")

@@ -22,6 +22,7 @@ from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.openai import ParsedRequest, RequestHead
 from gateway.replicator import Replicator
+from gateway.response_owners import ResponseOwners
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
 from routing.types import Decision, Rejection, RequestInfo
@@ -61,6 +62,7 @@ class ProxyGateway(Protocol):
     tenant_keys: Mapping[str, str]  # API key hash -> tenant (gateway/tenants.py)
     legs: LegOutcomes  # each leg's outcome: breakers, ejection, probes
     decode_waits: DecodeWaitsLike
+    response_owners: ResponseOwners  # which instance made each Responses API answer
     # learning and replication
     learner: Learner
     replicator: Replicator

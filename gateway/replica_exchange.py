@@ -14,10 +14,10 @@ and a replica that learns of its peers' share of a burst only at their next inte
 queues (and admits) as if the burst were its share alone. Brokerless: no server to run,
 nothing to keep consistent (docs/replicas.md says why ZMQ rather than NATS or Redis).
 
-Wire: frames ``[b"kvgate.books", payload]``; payload a msgpack map
-``{"v": 1, "r": replica, "e": epoch, "s": seq, "bye": bool, "i": {instance: [prefills,
-decodes]}}`` with prefills ``[prompt_tokens, remaining_s, ready_in_s]`` and decodes
-``[prompt_tokens, predicted_output, generated, arrival_in_s | nil]`` (times relative to sending).
+Wire: frames ``[b"kvgate.books", payload]``, the payload a snapshot
+(gateway/replica_snapshot.py). Besides the work, the socket carries which instance made each
+Responses API answer (gateway/replica_owners.py, its own topic), so that a follow-up reaches
+the instance that holds its response from any replica.
 """
 
 from __future__ import annotations
@@ -30,21 +30,20 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import msgpack
 import zmq
 import zmq.asyncio
 
 from config.replica_settings import ReplicasSettings
+from gateway.replica_owners import OWNERS_TOPIC, OwnerBook, OwnerRelay, OwnersError
+from gateway.replica_snapshot import Snapshot, SnapshotError, decode, encode
 from routing.conductor import Conductor
-from routing.replica_load import DecodeItem, InstanceWork, PrefillItem, ReplicaLoad, own_work
+from routing.replica_load import ReplicaLoad, own_work
 
 log = logging.getLogger("kvgate.replicas")
 
 TOPIC = b"kvgate.books"
-VERSION = 1
 
 # Publishing on dispatch (and catching up before each decision; ``replicas.
 # publish_on_dispatch``, on by default): a token bucket of DISPATCH_BURST
@@ -54,95 +53,6 @@ VERSION = 1
 DISPATCH_BURST = 8
 MIN_DISPATCH_GAP_S = 0.001
 GAP_COST_FACTOR = 50.0
-
-
-class SnapshotError(ValueError):
-    """A payload that is not a version-1 snapshot."""
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    replica: str
-    epoch: int
-    seq: int
-    work: dict[str, InstanceWork] = field(default_factory=dict)
-    bye: bool = False
-
-
-def encode(snap: Snapshot) -> bytes:
-    inst = {
-        iid: [
-            [[p.prompt_tokens, p.remaining_s, p.ready_in_s] for p in w.prefills],
-            [[d.prompt_tokens, d.predicted_output, d.generated, d.arrival_in_s] for d in w.decodes],
-        ]
-        for iid, w in snap.work.items()
-    }
-    return msgpack.packb(
-        {
-            "v": VERSION,
-            "r": snap.replica,
-            "e": snap.epoch,
-            "s": snap.seq,
-            "bye": snap.bye,
-            "i": inst,
-        }
-    )
-
-
-def _num(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, int | float) or x != x or x < 0:
-        raise SnapshotError(f"{what} must be a non-negative number, got {x!r}")
-    return float(x)
-
-
-def _count(x: Any, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        raise SnapshotError(f"{what} must be a non-negative integer, got {x!r}")
-    return x
-
-
-def decode(payload: bytes) -> Snapshot:
-    try:
-        msg = msgpack.unpackb(payload, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise SnapshotError(f"not msgpack: {exc}") from exc
-    if not isinstance(msg, dict) or msg.get("v") != VERSION:
-        raise SnapshotError("not a version-1 snapshot")
-    replica, inst = msg.get("r"), msg.get("i", {})
-    if not isinstance(replica, str) or not replica or "\x00" in replica:
-        raise SnapshotError("replica id must be a non-empty string")
-    if not isinstance(inst, dict):
-        raise SnapshotError("'i' must map instance ids to work")
-    work: dict[str, InstanceWork] = {}
-    try:
-        for iid, (pre, dec) in inst.items():
-            if not isinstance(iid, str):
-                raise SnapshotError("instance ids must be strings")
-            prefills = tuple(
-                PrefillItem(_count(t, "prompt_tokens"), _num(r, "remaining_s"), _num(w, "ready"))
-                for t, r, w in pre
-            )
-            decodes = tuple(
-                DecodeItem(
-                    _count(t, "prompt_tokens"),
-                    _count(o, "predicted_output"),
-                    _count(g, "generated"),
-                    None if a is None else _num(a, "arrival_in_s"),
-                )
-                for t, o, g, a in dec
-            )
-            work[iid] = InstanceWork(prefills, decodes)
-    except (TypeError, ValueError) as exc:  # wrong shapes: unpacking a non-list, wrong arity
-        if isinstance(exc, SnapshotError):
-            raise
-        raise SnapshotError(f"malformed work: {exc}") from exc
-    return Snapshot(
-        replica,
-        _count(msg.get("e", 0), "epoch"),
-        _count(msg.get("s", 0), "seq"),
-        work,
-        bool(msg.get("bye", False)),
-    )
 
 
 def _in_event_loop() -> bool:
@@ -174,6 +84,7 @@ class ReplicaExchange:
         *,
         context: zmq.asyncio.Context | None = None,
         publish_on_dispatch: bool | None = None,
+        owners: OwnerBook | None = None,
     ) -> None:
         self.cfg = cfg
         self.replica_id = cfg.replica_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -197,6 +108,7 @@ class ReplicaExchange:
         self._deferred: asyncio.TimerHandle | None = None
         self._hooked = False
         self._endpoint: str | None = None
+        self.owners = OwnerRelay(owners, self.replica_id) if owners is not None else None
 
     def start(self) -> None:
         """Bind and connect now, so a taken port fails start-up with a clear message."""
@@ -211,6 +123,8 @@ class ReplicaExchange:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        if self.owners is not None:
+            sub.setsockopt(zmq.SUBSCRIBE, OWNERS_TOPIC)
         sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # a snapshot is ~25 bytes a request
         for peer in self.cfg.peers:
             sub.connect(peer)  # ZMQ reconnects by itself while a peer is down
@@ -349,17 +263,25 @@ class ReplicaExchange:
                 self.stats.expired += len(self.load.expire(now))
                 if now >= next_pub:
                     self.publish()
+                    self._publish_owners()
                     next_pub = now + interval
                 await sub.poll(max(int((next_pub - self.clock()) * 1000), 0), zmq.POLLIN)
         except zmq.ZMQError:
             if not stop.is_set() and self._sub is not None:
                 raise
 
+    def _publish_owners(self) -> None:
+        payload = self.owners.next_message() if self.owners is not None else None
+        if payload is not None and self._pub is not None:
+            with contextlib.suppress(zmq.Again):  # the next message repeats them
+                self._pub.send_multipart([OWNERS_TOPIC, payload], flags=zmq.NOBLOCK)
+
     def _pending(self, sub: zmq.asyncio.Socket, limit: int = 1000) -> list[bytes]:
         """What waits on the socket, without waiting (a NOBLOCK receive of an asyncio socket
-        completes at once: synchronous, so ``catch_up`` can run inside a decision)."""
+        completes at once: synchronous, so ``catch_up`` can run inside a decision). Work
+        snapshots are returned; response owners go to their book at once."""
         payloads: list[bytes] = []
-        while len(payloads) < limit:
+        for _ in range(limit):
             fut = sub.recv_multipart(flags=zmq.NOBLOCK)
             if not fut.done() or fut.exception() is not None:  # zmq.Again: nothing more
                 fut.cancel()
@@ -367,6 +289,12 @@ class ReplicaExchange:
             frames = fut.result()
             if len(frames) == 2 and frames[0] == TOPIC:
                 payloads.append(frames[1])
+            elif len(frames) == 2 and frames[0] == OWNERS_TOPIC and self.owners is not None:
+                try:
+                    self.owners.receive(frames[1])
+                except OwnersError as exc:
+                    self.stats.invalid += 1
+                    log.warning("ignoring a replica's response owners: %s", exc)
             else:
                 self.stats.invalid += 1
         return payloads

@@ -39,6 +39,17 @@ class ReplicaExchangeCollector(Collector):
             "Peers whose share of the load was dropped after they fell silent",
             value=st.expired,
         )
+        relay = self._exchange.owners
+        if relay is not None:
+            owners = CounterMetricFamily(
+                "kvgate_replica_response_owners",
+                "Responses API owners (which instance made a response) sent to the peers for "
+                "the first time, and learned from them",
+                labels=["direction"],
+            )
+            owners.add_metric(["sent"], relay.sent)
+            owners.add_metric(["learned"], relay.learned)
+            yield owners
         yield GaugeMetricFamily(
             "kvgate_replica_peers", "Peers heard from recently", value=len(self._exchange.peers)
         )

@@ -12,14 +12,13 @@ says ``input_tokens``/``output_tokens`` (gateway/relay.py reads both namings).
 
 ``previous_response_id``: only the engine that stored a response can continue it (vLLM keeps it
 in its own memory, with ``VLLM_ENABLE_RESPONSES_API_STORE=1``), so ``ResponseOwners`` remembers
-which instance made each response and the follow-up is placed there. Not across gateway
-replicas: each remembers the responses it relayed.
+which instance made each response and the follow-up is placed there. With several gateway
+replicas, each publishes the owners it learns to the others (gateway/replica_owners.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from config.settings import EngineKind, InstanceSettings, Role
 from gateway.openai import CHAT, BadRequest, ParsedRequest, RequestHead
 from gateway.proxy_deps import ProxyGateway
+from gateway.response_owners import ResponseOwners
 from routing.prompt import PromptError
 from routing.responses_input import responses_chat_body
 
@@ -55,36 +55,15 @@ def response_id(answer: bytes) -> str | None:
     return found.group(1).decode() if found else None
 
 
-class ResponseOwners:
-    """Which instance made each response id (the most recent ``limit``), so that a follow-up
-    naming it as ``previous_response_id`` is placed where the engine stored it."""
-
-    __slots__ = ("_owner", "limit")
-
-    def __init__(self, limit: int = 100_000) -> None:
-        self.limit = limit
-        self._owner: OrderedDict[str, str] = OrderedDict()
-
-    def remember(self, response: str, instance_id: str) -> None:
-        self._owner[response] = instance_id
-        self._owner.move_to_end(response)
-        if len(self._owner) > self.limit:
-            self._owner.popitem(last=False)
-
-    def owner(self, response: str) -> str | None:
-        return self._owner.get(response)
-
-    def __len__(self) -> int:
-        return len(self._owner)
-
-
 class ResponsesRoute:
     """The Responses API's part of the proxy path: the prompt it is placed by, the instance a
     follow-up must go to, and what each answer teaches (which instance made which response)."""
 
-    def __init__(self, specs: Mapping[str, InstanceSettings], limit: int = 100_000) -> None:
+    def __init__(
+        self, specs: Mapping[str, InstanceSettings], owners: ResponseOwners | None = None
+    ) -> None:
         self.specs = specs  # the gateway's live instances (membership changes show here)
-        self.owners = ResponseOwners(limit)
+        self.owners = owners if owners is not None else ResponseOwners()
 
     def prompt(self, head: RequestHead) -> tuple[RequestHead, frozenset[str]]:
         """The head to parse the prompt from (the chat body the engine renders) and the

@@ -45,6 +45,7 @@ from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replica_metrics import ReplicaExchangeCollector
 from gateway.replicator import EngineView, Replicator, TargetUrls
+from gateway.response_owners import ResponseOwners
 from gateway.silence import silence_timeout_s
 from gateway.tokenize_ahead import TokenizeAhead
 from gateway.tracing import Tracing
@@ -108,9 +109,11 @@ class Gateway:
         self.served_models = ServedModels(
             lambda: self.settings, lambda: [t.url for t in self.targets.values()], clock
         )
+        # Which instance made each Responses API answer (shared with the other replicas).
+        self.response_owners = ResponseOwners(shared=settings.replicas.enabled)
         # Other kvgate replicas' dispatched work counts as load here (docs/replicas.md).
         self.replicas = (
-            ReplicaExchange(settings.replicas, self.conductor, clock)
+            ReplicaExchange(settings.replicas, self.conductor, clock, owners=self.response_owners)
             if settings.replicas.enabled
             else None
         )

@@ -143,7 +143,8 @@ class Picker:
         self.warmups = DoomedWarmups(gw)  # what doomed requests' rejections leave to warm
         self.tenants = TenantGate(gw)  # keys, rate limits, fair share (or off)
         self.spans = RequestSpans(gw.tracing)  # with tracing on
-        self.responses = ResponsesRoute(gw.specs)  # /v1/responses: its prompt and its owners
+        # /v1/responses: its prompt and its owners (shared with the other replicas)
+        self.responses = ResponsesRoute(gw.specs, gw.response_owners)
 
     # ------------------------------------------------------------------ the pick
     def too_large(self, size: int) -> Immediate | None:

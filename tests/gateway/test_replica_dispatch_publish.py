@@ -13,7 +13,8 @@ from dataclasses import replace
 import zmq
 
 from config.replica_settings import ReplicasSettings
-from gateway.replica_exchange import ReplicaExchange, decode, encode
+from gateway.replica_exchange import ReplicaExchange
+from gateway.replica_snapshot import decode, encode
 from routing.conductor import Conductor
 from routing.replica_load import PEER_PREFIX
 from routing.types import Decision

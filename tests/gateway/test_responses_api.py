@@ -14,7 +14,7 @@ import pytest
 
 from config.settings import EngineKind, InstanceSettings, Role
 from gateway.openai import BadRequest, RequestHead
-from gateway.responses_api import ResponseOwners, ResponsesRoute, response_id
+from gateway.responses_api import ResponsesRoute, response_id
 from gateway.stack import LiveStack, StackSpec
 from tests.gateway.live import with_stack
 
@@ -24,13 +24,6 @@ def test_the_response_id_is_the_answers_first_id() -> None:
     opening = b'event: response.created\ndata: {"response":{"id":"resp_2","output":[]}}\n\n'
     assert response_id(whole) == "resp_1" and response_id(opening) == "resp_2"
     assert response_id(b'{"error": {"message": "no"}}') is None
-
-
-def test_owners_are_bounded_and_the_newest_kept() -> None:
-    owners = ResponseOwners(limit=2)
-    for i in range(3):
-        owners.remember(f"r{i}", f"i{i}")
-    assert len(owners) == 2 and owners.owner("r0") is None and owners.owner("r2") == "i2"
 
 
 def _spec(iid: str, role: Role, engine: EngineKind = EngineKind.AUTO) -> InstanceSettings:
