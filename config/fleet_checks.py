@@ -209,7 +209,9 @@ def check_models(c: Checker, s: Settings) -> None:
         key = f"models[{i}]"
         c.non_empty(f"{key}.name", m.name)
         for name in m.names():
-            c.unique(f"{key}.name", name, names, "model name or alias")
+            c.unique(f"{key}.name", name, names, "model name, alias or LoRA adapter")
+        for j, adapter in enumerate(m.lora_adapters):
+            c.non_empty(f"{key}.lora_adapters[{j}]", adapter)
         c.require(bool(m.pools), f"{key}.pools", list(m.pools), "must name at least one pool")
         for pool_name in m.pools:
             if pool_name not in pools:
@@ -227,7 +229,17 @@ def check_models(c: Checker, s: Settings) -> None:
             msg = "needs both a prefill and a decode pool"
             c.require(False, f"{key}.pools", list(m.pools), msg)
     if not s.models:
+        seen: dict[Any, str] = {}
+        for j, adapter in enumerate(s.routing.lora_adapters):
+            c.non_empty(f"routing.lora_adapters[{j}]", adapter)
+            c.unique(f"routing.lora_adapters[{j}]", adapter, seen, "LoRA adapter")
         return
+    c.require(
+        not s.routing.lora_adapters,
+        "routing.lora_adapters",
+        list(s.routing.lora_adapters),
+        "with a models table, list each model's adapters in models[].lora_adapters",
+    )
     for i, pool in enumerate(s.pools):
         key = f"pools[{i}].model"
         if pool.name not in served_by:

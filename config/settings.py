@@ -175,6 +175,9 @@ class RoutingSettings:
     # tokens (backends/model_files.py). None = tokenizer_file, else the approximate tokenizer.
     model_dir: str | None = None
     tokenizer_file: str | None = None
+    # Without a ``models`` table: the ``model`` names that are LoRA adapters of the one model
+    # (with one, each model lists its own: ``models[].lora_adapters``).
+    lora_adapters: tuple[str, ...] = ()
     chars_per_token: float = 4.0
     # With model_dir: a prompt with at least this many characters left to tokenize (not in
     # the segment cache) is tokenized in a worker thread, off the event loop; 0 = never.
@@ -372,9 +375,12 @@ class ModelSettings:
     profile: str | None = None  # predictor profile of its instances (an instance's own wins)
     ttft_s: float | None = None  # SLO for this model's requests (None = slo.ttft_s)
     tbt_s: float | None = None
+    # Served names of LoRA adapters on its engines (vLLM ``--lora-modules NAME=PATH``): a
+    # request naming one goes to this model's pools, its blocks keyed in the adapter's space.
+    lora_adapters: tuple[str, ...] = ()
 
     def names(self) -> tuple[str, ...]:
-        return (self.name, *self.aliases)
+        return (self.name, *self.aliases, *self.lora_adapters)
 
 
 @dataclass(frozen=True, slots=True)

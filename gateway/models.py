@@ -3,7 +3,9 @@
 With a ``models`` table every model brings its own prompt encoder (its tokenizer and chat
 template, or the approximate fallback) and its own key space (a BlockHasher seeded with the
 model's name), so equal token ids sent to two models never look like a shared prefix. Without
-one, a single unnamed route serves every request, as before.
+one, a single unnamed route serves every request, as before. A LoRA adapter (``models[].
+lora_adapters``, or ``routing.lora_adapters`` without a table) is its base model's route with
+the adapter's chain root: the engine never reuses the base model's KV for it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class ModelRoute:
     name: str | None  # the model's canonical name; None = the unnamed single model
     encoder: PromptEncoder
     hasher: BlockHasher
+    # A LoRA adapter's name: the base model's encoder and pools, the adapter's key space
+    # (vLLM keys an adapter's blocks apart from the base model's, and publishes them so).
+    lora: str | None = None
 
 
 def model_seed(name: str) -> int:
@@ -50,10 +55,20 @@ def build_model_routes(
         route = _route(settings, model)
         for name in model.names():
             by_name[name] = route
+        for adapter in model.lora_adapters:
+            by_name[adapter] = replace(route, lora=adapter)
     by_instance = {
         inst.id: by_name[inst.model] for inst in settings.instances() if inst.model in by_name
     }
     return by_name, by_instance
+
+
+def adapter_routes(settings: Settings, default: ModelRoute) -> dict[str, ModelRoute]:
+    """Without a ``models`` table: the single model's LoRA adapters (``routing.lora_adapters``)
+    by name, each the unnamed route in the adapter's key space."""
+    if settings.models:
+        return {}
+    return {name: replace(default, lora=name) for name in settings.routing.lora_adapters}
 
 
 class ServedModels:

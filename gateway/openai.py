@@ -56,9 +56,13 @@ def error_body(message: str, type_: str, *, param: str | None = None, code: str 
 
 
 def prompt_blocks(
-    path: str, body: Mapping[str, Any], encoder: PromptEncoder, hasher: BlockHasher
+    path: str,
+    body: Mapping[str, Any],
+    encoder: PromptEncoder,
+    hasher: BlockHasher,
+    lora: str | None = None,
 ) -> tuple[tuple[int, ...], PromptTokens]:
-    """``(block hashes, prompt tokens)`` of the request's prompt."""
+    """``(block hashes, prompt tokens)`` of the request's prompt (under LoRA adapter ``lora``)."""
     try:
         tokens = encoder.encode(path, body)
     except PromptError as exc:
@@ -71,10 +75,10 @@ def prompt_blocks(
             "which is not Unicode text",
             field,
         ) from None
-    if tokens.cache_salt is None:
+    if tokens.cache_salt is None and lora is None:
         return hasher.hash_packed(tokens.packed), tokens
-    # A salted prompt's blocks live in their own key space, as in the engine's cache.
-    root = hasher.namespace_root(None, tokens.cache_salt)
+    # A salted prompt's or an adapter's blocks live in their own key space, as in the engine.
+    root = hasher.namespace_root(lora, tokens.cache_salt)
     return hasher.hash_packed(tokens.packed, root), tokens
 
 
@@ -143,9 +147,14 @@ class RequestHead:
     size: int  # bytes of JSON: at least the characters of the prompt's text
 
 
-def parse_head(raw: bytes, models: Mapping[str, ModelRoute] | None = None) -> RequestHead:
+def parse_head(
+    raw: bytes,
+    models: Mapping[str, ModelRoute] | None = None,
+    adapters: Mapping[str, ModelRoute] | None = None,
+) -> RequestHead:
     """The JSON body, ``stream`` and the model's route; raises BadRequest (these are the
-    first checks of ``parse_request``, in its order)."""
+    first checks of ``parse_request``, in its order). Without ``models`` (one unnamed model)
+    the route is None, or the LoRA adapter's among ``adapters`` that the body names."""
     try:
         body = json_codec.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -159,7 +168,12 @@ def parse_head(raw: bytes, models: Mapping[str, ModelRoute] | None = None) -> Re
         stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
-    return RequestHead(body, stream, served_route(body, models) if models else None, len(raw))
+    route = None
+    if models:
+        route = served_route(body, models)
+    elif adapters and isinstance(name := body.get("model"), str):
+        route = adapters.get(name)
+    return RequestHead(body, stream, route, len(raw))
 
 
 def head_info(
@@ -231,10 +245,11 @@ def parse_prompt(
     """The rest of ``parse_request`` after ``parse_head``: the prompt's tokens and blocks,
     max tokens, priority and SLO headers. The head's model route, if any, picks the encoder
     and key space over ``encoder`` and ``hasher``."""
-    body, model = head.body, None
+    body, model, lora = head.body, None, None
     if head.route is not None:
-        encoder, hasher, model = head.route.encoder, head.route.hasher, head.route.name
-    blocks, tokens = prompt_blocks(path, body, encoder, hasher)
+        route = head.route
+        encoder, hasher, model, lora = route.encoder, route.hasher, route.name, route.lora
+    blocks, tokens = prompt_blocks(path, body, encoder, hasher, lora)
     n_tokens = tokens.n_tokens
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     priority = headers.get("x-kvgate-priority")

@@ -41,6 +41,7 @@ RESTART_KEYS: tuple[tuple[str, str | None], ...] = (
     ("routing", "tiktoken"),
     ("routing", "template_skeletons"),
     ("routing", "tokenizer_file"),
+    ("routing", "lora_adapters"),
     ("routing", "chars_per_token"),
     ("routing", "llamacpp_slot_max_waiting"),
     ("replication", "sink"),

@@ -40,7 +40,7 @@ from gateway.kv_feeds import KvEventFeeds
 from gateway.learning import Learner
 from gateway.leg_health import LegHealth
 from gateway.metrics import GatewayMetrics
-from gateway.models import ModelRoute, ServedModels, build_model_routes
+from gateway.models import ModelRoute, ServedModels, adapter_routes, build_model_routes
 from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replica_metrics import ReplicaExchangeCollector
@@ -74,6 +74,7 @@ class Gateway:
         # Per served model (config ``models``): its encoder and key space; else the one above.
         self.default_route = ModelRoute(None, self.prompt_encoder, self.hasher)
         self.model_routes, self.instance_routes = build_model_routes(settings)
+        self.adapter_routes = adapter_routes(settings, self.default_route)  # no models table
         self.learner = Learner(
             self.conductor,
             settings.server.recent_decisions,
@@ -243,7 +244,7 @@ class Gateway:
     def parse_head(self, raw: bytes) -> RequestHead:
         """The body's JSON, ``stream`` and served model, before any prompt work (the proxy's
         hopeless check needs no more); raises BadRequest."""
-        return parse_head(raw, self.model_routes)
+        return parse_head(raw, self.model_routes, self.adapter_routes)
 
     def parse_prompt(
         self, path: str, head: RequestHead, headers: Mapping[str, str], request_id: str

@@ -57,6 +57,22 @@ def test_round_trip_keeps_models() -> None:
             "models[0].ttft_s",
             "",
         ),
+        (
+            {"models": [{"name": "m", "pools": ["w", "x"], "lora_adapters": ["m"]}]},
+            "models[0].name",
+            "duplicate model name, alias or lora adapter",
+        ),
+        (
+            {"models": [{"name": "m", "pools": ["w", "x"], "lora_adapters": [" "]}]},
+            "models[0].lora_adapters[0]",
+            "must not be empty",
+        ),
+        (
+            {"models": [{"name": "m", "pools": ["w", "x"]}], "routing": {"lora_adapters": ["a"]}},
+            "routing.lora_adapters",
+            "list each model's adapters in models[].lora_adapters",
+        ),
+        ({"routing": {"lora_adapters": ["a", "a"]}}, "routing.lora_adapters[1]", "duplicate"),
     ],
 )
 def test_mistakes_name_their_key(data: dict[str, Any], key: str, words: str) -> None:

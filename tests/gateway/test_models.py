@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from starlette.testclient import TestClient
 from config.loader import settings_from_dict
 from config.settings import PDProtocol, Role
 from gateway.app import build_app
+from gateway.openai import COMPLETIONS
 from replay.emulator.config import EmulatorConfig
 from replay.emulator.server import RunningEmulator, start_emulator
 
@@ -119,4 +122,46 @@ def test_without_models_table_v1_models_lists_the_engines_models(
         assert ids == ["alpha", "beta"]
         # Single-model configs keep ignoring ``model`` for routing, as before.
         r = client.post("/v1/completions", json={"model": "whatever", "prompt": "hi " * 30})
+        assert r.status_code == 200, r.text
+
+
+def _keys(gw: Any, model: Any, text: str) -> tuple[int, ...]:
+    raw = json.dumps({"model": model, "prompt": text}).encode()
+    return gw.parse_prompt(COMPLETIONS, gw.parse_head(raw), {}, "probe").info.block_hashes
+
+
+def test_a_lora_adapter_goes_to_its_base_models_engines_in_its_own_key_space(
+    engines: list[RunningEmulator],
+) -> None:
+    settings = _settings(engines)
+    alpha = replace(settings.models[0], lora_adapters=("alpha-sql",))
+    with TestClient(build_app(replace(settings, models=(alpha, settings.models[1])))) as client:
+        gw = client.app.gateway
+        text = "select the rows that hold the prefix " * 20
+        base, adapter = _keys(gw, "alpha", text), _keys(gw, "alpha-sql", text)
+        route = gw.model_routes["alpha-sql"]
+        assert route.name == "alpha" and route.lora == "alpha-sql"
+        assert len(base) == len(adapter) > 10 and not set(base) & set(adapter)
+        root = route.hasher.namespace_root("alpha-sql", None)
+        packed = gw.prompt_encoder.encode(COMPLETIONS, {"prompt": text}).packed
+        assert adapter == route.hasher.hash_packed(packed, root)  # the engine events' keys
+        for _ in range(6):
+            r = client.post("/v1/chat/completions", json=_chat("alpha-sql", text))
+            assert r.status_code == 200 and r.headers["x-kvgate-prefill"] in {"a0", "a1"}
+        assert "alpha-sql" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+
+
+def test_without_a_models_table_routing_lora_adapters_key_adapters_apart(
+    engines: list[RunningEmulator],
+) -> None:
+    settings = _settings(engines, with_models=False)
+    settings = replace(settings, routing=replace(settings.routing, lora_adapters=("sql",)))
+    with TestClient(build_app(settings)) as client:
+        gw = client.app.gateway
+        text = "select the rows that hold the prefix " * 20
+        plain = _keys(gw, "whatever", text)
+        assert _keys(gw, None, text) == plain  # any other model (or none): the one model
+        assert _keys(gw, ["not", "a", "name"], text) == plain
+        assert not set(_keys(gw, "sql", text)) & set(plain)
+        r = client.post("/v1/completions", json={"model": "sql", "prompt": text})
         assert r.status_code == 200, r.text

@@ -7,6 +7,7 @@ Each engine's output goes to a temporary log file whose tail is raised with any 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def engine_cache_dir() -> Path:
 
 def vllm_model_dir() -> Path:
     return engine_cache_dir() / f"vllm-{VLLM_VERSION}" / "tiny-model"
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's python (torch, transformers, safetensors): for the engines' own scripts."""
+    return engine_cache_dir() / f"vllm-{VLLM_VERSION}" / "venv" / "bin" / "python"
 
 
 def free_ports(count: int, lo: int = 18000, hi: int = 18100) -> list[int]:
@@ -250,3 +256,14 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> None:
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    """Polls ``cond`` every 50 ms; False if it did not hold within ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

@@ -33,7 +33,7 @@ from routing.prompt_encoder import CHAT_PATH
 from routing.tokenizer import pack_token_ids, unpack_token_ids
 from routing.types import AllBlocksCleared
 from tests.real.conftest import EngineInstall
-from tests.real.engines import EngineProcess, free_ports, start_vllm, stop_engine
+from tests.real.engines import EngineProcess, free_ports, start_vllm, stop_engine, wait_until
 
 pytestmark = pytest.mark.real_engine
 
@@ -133,16 +133,6 @@ async def _post(s: aiohttp.ClientSession, url: str, path: str, body: dict[str, A
         return json.loads(text)
 
 
-async def _until(cond: Any, timeout_s: float = 15.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
 def _percent(hits: list[bool]) -> float:
     return 100.0 * sum(hits) / len(hits) if hits else 100.0
 
@@ -189,7 +179,7 @@ def test_engine_events_rebuild_kvgates_keys_and_evictions_remove_them(
                             body["cache_salt"] = p.salt
                         await _post(s, engine.url, "/v1/completions", body)
                     want = p.keys(OWN_SIZES[0])
-                    await _until(lambda w=want: all(view.holds(OWN_SIZES[0], w)))
+                    await wait_until(lambda w=want: all(view.holds(OWN_SIZES[0], w)))
                     report[p.name] = {
                         f"match_pct_bs{size}": _percent(view.holds(size, p.keys(size)))
                         for size in OWN_SIZES
@@ -198,7 +188,7 @@ def test_engine_events_rebuild_kvgates_keys_and_evictions_remove_them(
                 for i in range(6):
                     body = {"model": engine.model, "prompt": token_prompt(640, 5000 + 97 * i)}
                     await _post(s, engine.url, "/v1/completions", {**body, "max_tokens": 1})
-                await _until(lambda: len(view.removed) >= 40)
+                await wait_until(lambda: len(view.removed) >= 40)
                 await asyncio.sleep(0.5)  # the last batch of events
         finally:
             stop.set()
@@ -315,7 +305,7 @@ def test_through_the_gateway_engine_events_carry_the_requests_keys(
                     tokens = prompt_tokens(path, body)
                     full = tokens[: len(tokens) // ENGINE_BS * ENGINE_BS]
                     want = list(gw.hasher.hash_tokens(full))
-                    await _until(lambda f=full, w=want: event_keys(f) == w)
+                    await wait_until(lambda f=full, w=want: event_keys(f) == w)
                     got = set(event_keys(full))
                     report[f"{i}:{path}"] = _percent([k in got for k in want])
                 body = {"model": engine.model, "prompt": direct, "max_tokens": 1}
@@ -323,7 +313,7 @@ def test_through_the_gateway_engine_events_carry_the_requests_keys(
                 full = direct[: len(direct) // ENGINE_BS * ENGINE_BS]
                 want = list(gw.hasher.hash_tokens(full))
                 index = gw.conductor.index
-                await _until(lambda w=want: all(index.holds("v0", k) for k in w))
+                await wait_until(lambda w=want: all(index.holds("v0", k) for k in w))
                 report["direct-to-engine"] = _percent([index.holds("v0", k) for k in want])
         finally:
             server.should_exit = True
