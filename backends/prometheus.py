@@ -72,6 +72,8 @@ _VLLM_QUERIES = (
 _VLLM_CACHED_PROMPT = ("vllm:prompt_tokens_cached_total",)
 _VLLM_PROMPT = ("vllm:prompt_tokens_total",)
 _VLLM_CONFIG = "vllm:cache_config_info"
+# With --enable-lora: one series per adapter state seen, the value when it was (the newest is now).
+_VLLM_LORA = "vllm:lora_requests_info"
 _SGLANG_RUNNING = ("sglang:num_running_reqs",)
 _SGLANG_WAITING = ("sglang:num_queue_reqs",)
 _SGLANG_USAGE = ("sglang:token_usage",)
@@ -99,6 +101,7 @@ _WANTED: frozenset[str] = frozenset(
         *_VLLM_CACHED_PROMPT,
         *_VLLM_PROMPT,
         _VLLM_CONFIG,
+        _VLLM_LORA,
         *_SGLANG_RUNNING,
         *_SGLANG_WAITING,
         *_SGLANG_USAGE,
@@ -143,6 +146,9 @@ class EngineLoad:
     # max_total_num_tokens, llama.cpp slots x context, vLLM kv_cache_size_tokens).
     token_capacity: int | None = None
     slots: int | None = None  # llama.cpp parallel slots (-np)
+    # vLLM with LoRA: adapters it runs at once (--max-loras), and those running now.
+    max_loras: int | None = None
+    running_adapters: frozenset[str] | None = None
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -303,7 +309,24 @@ def _vllm(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:
         block_size=_first_label(config, "block_size"),
         num_gpu_blocks=_label_total(config, "num_gpu_blocks"),
         token_capacity=_label_total(config, "kv_cache_size_tokens"),
+        **_lora(by_name.get(_VLLM_LORA, [])),
     )
+
+
+def _lora(samples: list[_Sample]) -> dict[str, object]:
+    """``max_loras`` and ``running_adapters`` from the newest ``lora_requests_info`` series
+    (its value is when vLLM last set it: older label sets linger on the page)."""
+    if not samples:
+        return {}
+    newest = max(samples, key=lambda s: s.value)
+    max_loras = _int_label(newest.labels, "max_lora")
+    if max_loras is None:  # LoRA off (max_lora 0)
+        return {}
+    running = newest.labels.get("running_lora_adapters", "")
+    return {
+        "max_loras": max_loras,
+        "running_adapters": frozenset(a for a in running.split(",") if a),
+    }
 
 
 def _sglang(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:

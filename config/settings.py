@@ -178,6 +178,9 @@ class RoutingSettings:
     # Without a ``models`` table: the ``model`` names that are LoRA adapters of the one model
     # (with one, each model lists its own: ``models[].lora_adapters``).
     lora_adapters: tuple[str, ...] = ()
+    # An adapter's request goes where the adapter can run at once (active, or a free adapter
+    # slot per the engine's metrics): routing/lora_affinity.py.
+    lora_affinity: bool = True
     chars_per_token: float = 4.0
     # With model_dir: a prompt with at least this many characters left to tokenize (not in
     # the segment cache) is tokenized in a worker thread, off the event loop; 0 = never.

@@ -271,5 +271,6 @@ def parse_prompt(
         slo_tbt_s=_header_ms(headers, "x-slo-tbt-ms"),
         output_key=blocks[0] if blocks else None,
         model=model,
+        lora=lora,
     )
     return ParsedRequest(info, body, head.stream, tokens, encoder.exact)

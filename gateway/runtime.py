@@ -51,6 +51,7 @@ from gateway.tokenize_ahead import TokenizeAhead
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
 from routing.hashing import BlockHasher
+from routing.lora_affinity import EngineAdapters
 from routing.types import Decision
 
 log = logging.getLogger("kvgate.gateway")
@@ -342,7 +343,8 @@ class Gateway:
 
     def _apply_loads(self, loads: dict[str, EngineLoad | None]) -> None:
         """What the engines' own metrics say: understood or not, their KV capacity and llama.cpp's
-        slot count (each replaces the predictor profile's unless the config names one)."""
+        slot count (each replaces the predictor profile's unless the config names one), and
+        vLLM's adapter slots (LoRA affinity)."""
         for iid, load in loads.items():
             if load is None:
                 continue
@@ -355,6 +357,9 @@ class Gateway:
                 self.conductor.set_max_batch(iid, load.slots)
             if capacity and spec is not None and spec.capacity_tokens is None:
                 self.conductor.set_capacity(iid, capacity)
+            if load.max_loras is not None:  # vLLM with --enable-lora: its adapter slots
+                running = load.running_adapters or frozenset()
+                self.conductor.lora.engine_state(iid, EngineAdapters(load.max_loras, running))
 
     def _publish_gauges(self) -> None:
         now = self.clock()

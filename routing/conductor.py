@@ -41,6 +41,7 @@ from routing.hopeless import hopeless_rejection
 from routing.hotspot import HotspotPlanner
 from routing.instance_books import InstanceState
 from routing.kv_index import KVIndex
+from routing.lora_affinity import LoraAffinity
 from routing.parked_requests import ParkedRequests
 from routing.policies.base import PlacementContext, Policy
 from routing.policies.registry import build_policy
@@ -75,6 +76,7 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             settings.predictors.default_output_tokens,
         )
         self.requests: dict[str, RequestRecord] = {}
+        self.lora = LoraAffinity()  # engines' adapter slots, from their metrics
         self._event_fed: set[str] = set()  # instances whose engine sends KV events
         self.stats = DecisionStats()
         self._order = 0
@@ -154,6 +156,11 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_PREFILL, slo)
         if has_decode_pool and not decode_pool:
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_DECODE, slo)
+        if req.lora is not None and self.settings.routing.lora_affinity:
+            records = self.requests.values()
+            prefill_pool = self.lora.candidates(req.lora, prefill_pool, records)
+            if decode_pool:
+                decode_pool = self.lora.candidates(req.lora, decode_pool, records)
         match = self.index.match(req.block_hashes, now)
         predicted_output = self.output_lengths.predict(req.output_key, req.max_tokens)
         routing = self.settings.routing

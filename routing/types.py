@@ -34,6 +34,7 @@ class RequestInfo:
     output_key: int | None = None
     # Served model (config ``models``): placed only on that model's instances. None = any.
     model: str | None = None
+    lora: str | None = None  # the LoRA adapter it names (routing/lora_affinity.py)
 
 
 # --- KV events (mirror vLLM's kv_events: BlockStored / BlockRemoved / AllBlocksCleared) ---

@@ -207,3 +207,23 @@ def test_scanning_for_the_read_series_gives_what_parsing_the_whole_page_gives(
     assert parse_metrics(text, "x", 0.0).understood
     kept, engine = prometheus._wanted_lines(text)
     assert engine == flavour and len(kept.splitlines()) < len(text.splitlines()) / 2
+
+
+# Read off a real vLLM 0.32 (CPU) with --enable-lora --max-loras 1 and adapters a, b, after one
+# request each: every adapter state seen stays on the page, the value says when it was set.
+VLLM_LORA_PAGE = """\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="a",waiting_lora_adapters="a"} 1.7960047533290951e+09
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""} 1.7960047534152286e+09
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="b",waiting_lora_adapters="b"} 1.7960047533969316e+09
+"""  # noqa: E501
+
+
+def test_vllm_lora_slots_come_from_the_newest_info_series() -> None:
+    load = parse_metrics(VLLM_LORA_PAGE, "v", 0.0, "vllm")
+    assert load.max_loras == 1 and load.running_adapters == frozenset()  # the newest: idle
+    busy = VLLM_LORA_PAGE.replace('running_lora_adapters="b",', 'running_lora_adapters="b,a",')
+    busy = busy.replace("1.7960047533969316e+09", "1.8e+09")
+    assert parse_metrics(busy, "v", 0.0, "vllm").running_adapters == {"a", "b"}
+    assert parse_metrics("vllm:num_requests_running 0\n", "v", 0.0, "vllm").max_loras is None

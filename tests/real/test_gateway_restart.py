@@ -16,13 +16,12 @@ import uvicorn
 from config.loader import load_settings
 from gateway.app import build_app
 from tests.real.conftest import EngineInstall
-from tests.real.engines import EngineProcess, free_ports, start_vllm, stop_engine
+from tests.real.engines import EngineProcess, free_ports, start_vllm, stop_engine, wait_until
 from tests.real.pd_harness import KvgateProcess
 from tests.real.test_kv_event_keys import (
     ENGINE_BS,
     GATEWAY_CONFIG,
     _post,
-    _until,
     token_prompt,
 )
 
@@ -100,7 +99,7 @@ def test_a_restarted_gateway_knows_what_the_engine_cached_before(
             index = gw.conductor.index
             want = keys(through_a) + keys(direct)
             # No request reaches the engine meanwhile: only its replay buffer can tell.
-            ok = await _until(lambda: all(index.holds("v0", k) for k in want), 20)
+            ok = await wait_until(lambda: all(index.holds("v0", k) for k in want), 20)
             sub = gw.kv_feeds.subscribers["v0"]
             return ok, sub.stats.caught_up
         finally:

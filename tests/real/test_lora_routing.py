@@ -17,8 +17,10 @@ import asyncio
 import json
 import re
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -42,62 +44,75 @@ from tests.real.engines import (
 
 pytestmark = pytest.mark.real_engine
 
-ADAPTER = "tl"
+ADAPTERS = ("tl", "sql")
+ADAPTER = ADAPTERS[0]
 HITS = "vllm:prefix_cache_hits_total"
 
 
 @pytest.fixture(scope="module")
-def vllm_lora(
+def vllm_pair(
     vllm_install: EngineInstall, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    adapter = tmp_path_factory.mktemp("lora") / ADAPTER
-    script = ENGINE_SCRIPTS / "make_tiny_lora.py"
-    subprocess.run(
-        [str(vllm_python()), str(script), "--model", str(vllm_model_dir()), "--out", str(adapter)],
-        check=True,
-        timeout=300,
-    )
-    sock = tmp_path_factory.mktemp("kv-events") / "vllm.sock"
-    (port,) = free_ports(1, 18300, 18350)
-    lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={adapter}"]
-    proc = start_vllm(
-        port,
-        kv_events_endpoint=f"ipc://{sock}",
-        extra_args=[*lora_args, "--max-model-len", "2048"],
-    )
+) -> Iterator[list[EngineProcess]]:
+    """Two vLLMs serving the tiny model and two adapters of it, one adapter at a time each
+    (``--max-loras 1``, vLLM's default), KV events over ipc://."""
+    modules = []
+    for name in ADAPTERS:
+        adapter = tmp_path_factory.mktemp("lora") / name
+        script = ENGINE_SCRIPTS / "make_tiny_lora.py"
+        model = str(vllm_model_dir())
+        cmd = [str(vllm_python()), str(script), "--model", model, "--out", str(adapter)]
+        subprocess.run(cmd, check=True, timeout=300)
+        modules.append(f"{name}={adapter}")
+    # One adapter in a batch (vLLM's default); both kept loaded in host memory, so that a
+    # switch costs no reload from disk.
+    lora_args = ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "2", "--max-lora-rank"]
+    lora_args += ["8", "--lora-modules"]
+    ports = free_ports(2, 18300, 18350)
+
+    def start(port: int) -> EngineProcess:
+        sock = tmp_path_factory.mktemp("kv-events") / "vllm.sock"
+        return start_vllm(
+            port,
+            kv_events_endpoint=f"ipc://{sock}",
+            extra_args=[*lora_args, *modules, "--max-model-len", "2048"],
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start, p) for p in ports]
+    procs = [f.result() for f in futures]  # a failed start raises here (the other is stopped)
     try:
-        yield proc
+        yield procs
     finally:
-        stop_engine(proc)
+        for proc in procs:
+            stop_engine(proc)
 
 
-def _settings(engine: EngineProcess) -> Any:
+@pytest.fixture(scope="module")
+def vllm_lora(vllm_pair: list[EngineProcess]) -> EngineProcess:
+    return vllm_pair[0]
+
+
+def _settings(engines: list[EngineProcess], affinity: bool = True) -> Any:
+    engine = engines[0]
+    instances = [
+        {"id": f"v{i}", "url": e.url, "kv_events_endpoint": e.kv_events_endpoint}
+        for i, e in enumerate(engines)
+    ]
     return settings_from_dict(
         {
-            "server": {"health_interval_s": 10.0, "refit_interval_s": 0},
+            "server": {"health_interval_s": 10.0, "refit_interval_s": 0, "scrape_interval_s": 0.5},
             "admission": {"mode": "none"},
             "replication": {"enabled": False},
+            "routing": {"lora_affinity": affinity},
             "models": [
                 {
                     "name": engine.model,
                     "pools": ["v"],
                     "model_dir": str(engine.model_dir),
-                    "lora_adapters": [ADAPTER],
+                    "lora_adapters": list(ADAPTERS),
                 }
             ],
-            "pools": [
-                {
-                    "name": "v",
-                    "role": "both",
-                    "instances": [
-                        {
-                            "id": "v0",
-                            "url": engine.url,
-                            "kv_events_endpoint": engine.kv_events_endpoint,
-                        }
-                    ],
-                }
-            ],
+            "pools": [{"name": "v", "role": "both", "instances": instances}],
         }
     )
 
@@ -109,7 +124,7 @@ def test_an_adapters_prompt_is_keyed_as_the_engine_keys_its_kv(vllm_lora: Engine
                              {"role": "user", "content": "which engine holds it?"}]}),
         (COMPLETIONS, {"prompt": system + " and a text completion"}),
     ]  # fmt: skip
-    app = build_app(_settings(vllm_lora))
+    app = build_app(_settings([vllm_lora]))
     gw = app.gateway
 
     def keys(path: str, body: dict[str, Any], model: str) -> tuple[int, ...]:
@@ -165,3 +180,72 @@ def _metric(url: str, name: str) -> float:
         text = resp.read().decode()
     found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     return sum(float(v) for v in found)
+
+
+DOC = "A long shared document about caches, prefixes and the engines that hold them. " * 12
+
+
+def _affinity_run(engines: list[EngineProcess], affinity: bool) -> dict[str, Any]:
+    """Both adapters' KV of a shared document cached on v0 (sent to it directly), a long answer
+    of the first adapter decoding there, then three requests of the second adapter on that
+    document: where each went and its time to first token."""
+    app = build_app(_settings(engines, affinity))
+    gw = app.gateway
+    tag = "on" if affinity else "off"
+
+    def chat(adapter: str, question: str) -> dict[str, Any]:
+        return {
+            "model": adapter,
+            "messages": [{"role": "system", "content": DOC}, {"role": "user", "content": question}],
+            "max_tokens": 64,
+            "ignore_eos": True,
+        }
+
+    async def first_token(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+        """(instance, seconds to the first token, the open response to read on)."""
+        t0 = time.monotonic()
+        r = await s.post(url + "/v1/chat/completions", json={**body, "stream": True})
+        assert r.status == 200, await r.text()
+        async for chunk in r.content.iter_any():
+            if b'"content"' in chunk:
+                break
+        return r.headers["x-kvgate-prefill"], time.monotonic() - t0, r
+
+    async def main() -> dict[str, Any]:
+        async with serving(app) as url, aiohttp.ClientSession() as s:
+            # Each engine runs each adapter once (vLLM sets its LoRA gauge when it runs a
+            # step, and an adapter's first use costs a load), and only v0 gets both adapters'
+            # KV of the document.
+            for engine, system in ((engines[1], "warm"), (engines[0], DOC)):
+                for adapter in ADAPTERS:
+                    body = {**chat(adapter, "warm"), "max_tokens": 1}
+                    body["messages"][0]["content"] = system
+                    async with s.post(engine.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+            slots = gw.conductor.lora.slots
+            assert await wait_until(lambda: bool(slots("v0") and slots("v1"))), "no LoRA gauge"
+            await asyncio.sleep(1.0)  # the KV events of the warm-ups
+            # A long answer of one adapter decodes on v0 (its cached document brings it
+            # there); then the other adapter's requests come, one after another.
+            long = {**chat(ADAPTERS[0], f"go on at length ({tag})"), "max_tokens": 400}
+            busy_on, _, busy = await first_token(s, url, long)
+            out: dict[str, Any] = {"busy on": busy_on, "other adapter": []}
+            for i in range(3):
+                on, ttft, r = await first_token(s, url, chat(ADAPTERS[1], f"q{i} ({tag})?"))
+                await r.read()
+                out["other adapter"].append((on, round(ttft, 3)))
+            busy.close()
+        return out
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=240))
+
+
+def test_an_adapter_goes_where_its_slot_is_free(vllm_pair: list[EngineProcess]) -> None:
+    """Two engines that run one adapter at a time, both adapters' prefix cached on v0, where
+    one adapter's long answer is decoding: the other adapter's requests go to v1 with affinity
+    (on v0 they would wait for that answer to end, however cheap their cached prefill)."""
+    without = _affinity_run(vllm_pair, affinity=False)
+    with_ = _affinity_run(vllm_pair, affinity=True)
+    print("\nLoRA affinity off:", without, "\nLoRA affinity on:", with_)
+    assert with_["busy on"] == "v0"
+    assert [on for on, _ in with_["other adapter"]] == ["v1"] * 3
