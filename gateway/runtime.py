@@ -357,9 +357,10 @@ class Gateway:
                 self.conductor.set_max_batch(iid, load.slots)
             if capacity and spec is not None and spec.capacity_tokens is None:
                 self.conductor.set_capacity(iid, capacity)
-            if load.max_loras is not None:  # vLLM with --enable-lora: its adapter slots
+            if load.understood:  # vLLM with --enable-lora: its adapter slots (else none)
                 running = load.running_adapters or frozenset()
-                self.conductor.lora.engine_state(iid, EngineAdapters(load.max_loras, running))
+                slots = EngineAdapters(load.max_loras, running) if load.max_loras else None
+                self.conductor.lora.engine_state(iid, slots)
 
     def _publish_gauges(self) -> None:
         now = self.clock()

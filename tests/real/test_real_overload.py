@@ -36,7 +36,11 @@ def test_early_admission_keeps_goodput_where_admitting_everything_collapses(
     over_none, over_early = none["phases"][1], early["phases"][1]
     assert over_none["rejected"] == 0
     assert over_early["rejected"] > 0
-    assert over_early["rejections_by_reason"].keys() <= {"before_prefill:ttft_slo"}
+    # turned away before any engine work, mostly on the TTFT SLO (a request whose decode would
+    # sit through the overload's prefills may also fail the colocated TBT check)
+    reasons = over_early["rejections_by_reason"]
+    assert all(r.startswith("before_prefill:") for r in reasons), reasons
+    assert reasons.get("before_prefill:ttft_slo", 0) > reasons.get("before_prefill:tbt_slo", 0)
     # what early admits is served sooner, and more requests meet the SLO
     assert over_early["ttft_p50_s"] < over_none["ttft_p50_s"]
     # (measured here: 10.5-10.6 against 1.6-1.75 requests/s)
