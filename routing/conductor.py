@@ -157,10 +157,9 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
         if has_decode_pool and not decode_pool:
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_DECODE, slo)
         if req.lora is not None and self.settings.routing.lora_affinity:
-            records = self.requests.values()
-            prefill_pool = self.lora.candidates(req.lora, prefill_pool, records)
+            prefill_pool = self.lora.candidates(req.lora, prefill_pool)
             if decode_pool:
-                decode_pool = self.lora.candidates(req.lora, decode_pool, records)
+                decode_pool = self.lora.candidates(req.lora, decode_pool)
         match = self.index.match(req.block_hashes, now)
         predicted_output = self.output_lengths.predict(req.output_key, req.max_tokens)
         routing = self.settings.routing

@@ -14,11 +14,11 @@ free. Pure: the engine's state comes in from the gateway's scrapes (``engine_sta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
 from dataclasses import dataclass
 
 from routing.instance_books import InstanceState
-from routing.request_progress import RequestRecord
+from routing.types import Decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +30,14 @@ class EngineAdapters:
 
 
 class LoraAffinity:
-    """Per instance, the engine's adapter slots; filters a pool for an adapter's request."""
+    """Per instance, the engine's adapter slots and the adapters of kvgate's own requests in
+    flight there (counted as requests are placed, moved and finished: no scan per decision);
+    filters a pool for an adapter's request."""
 
     def __init__(self) -> None:
         self._engines: dict[str, EngineAdapters] = {}
+        self._own: dict[str, Counter[str]] = {}  # instance -> adapter -> requests in flight
+        self._placed: dict[str, tuple[str, frozenset[str]]] = {}  # request -> adapter, where
 
     def engine_state(self, instance_id: str, state: EngineAdapters | None) -> None:
         if state is None:
@@ -44,39 +48,36 @@ class LoraAffinity:
     def slots(self, instance_id: str) -> EngineAdapters | None:
         return self._engines.get(instance_id)
 
-    def candidates(
-        self,
-        lora: str,
-        pool: list[InstanceState],
-        in_flight: Iterable[RequestRecord],
-    ) -> list[InstanceState]:
+    def placed(self, lora: str, decision: Decision) -> None:
+        """An adapter's request is (now) on ``decision``'s instances (either leg)."""
+        self.left(decision.request_id)
+        where = frozenset((decision.prefill, decision.decode))
+        self._placed[decision.request_id] = (lora, where)
+        for iid in where:
+            self._own.setdefault(iid, Counter())[lora] += 1
+
+    def left(self, request_id: str) -> None:
+        """The request finished, failed or moved: its instances no longer run it."""
+        entry = self._placed.pop(request_id, None)
+        if entry is None:
+            return
+        lora, where = entry
+        for iid in where:
+            own = self._own[iid]
+            own[lora] -= 1
+            if own[lora] <= 0:
+                del own[lora]
+
+    def candidates(self, lora: str, pool: list[InstanceState]) -> list[InstanceState]:
         """The instances of ``pool`` that can run ``lora`` without waiting for a slot; the
-        whole pool if none can (or none has a known slot count)."""
-        limited = [i for i in pool if i.id in self._engines]
-        if not limited:
-            return pool
-        active = self._active({i.id for i in limited}, in_flight)
+        whole pool if none can. Instances without a known slot count count as free."""
         ready = []
         for inst in pool:
             engine = self._engines.get(inst.id)
-            if engine is None:
-                ready.append(inst)
-                continue
-            on = active.get(inst.id, set()) | engine.running
-            if lora in on or len(on) < engine.max_loras:
-                ready.append(inst)
+            if engine is not None:
+                own = self._own.get(inst.id)
+                on = engine.running.union(own) if own else engine.running
+                if lora not in on and len(on) >= engine.max_loras:
+                    continue
+            ready.append(inst)
         return ready or pool
-
-    @staticmethod
-    def _active(ids: set[str], in_flight: Iterable[RequestRecord]) -> dict[str, set[str]]:
-        """The adapters of kvgate's own requests in flight on each of ``ids`` (either leg)."""
-        active: dict[str, set[str]] = {}
-        for rec in in_flight:
-            lora = rec.request.lora
-            if lora is None:
-                continue
-            d = rec.decision
-            for iid in {d.prefill, d.decode}:
-                if iid in ids:
-                    active.setdefault(iid, set()).add(lora)
-        return active

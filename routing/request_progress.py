@@ -22,6 +22,7 @@ from routing.estimates import STORE_SOURCE, TTFTEstimator, cached_tokens
 from routing.fleet_pools import ModelPools
 from routing.instance_books import DecodeWork, InstanceState
 from routing.kv_index import KVIndex
+from routing.lora_affinity import LoraAffinity
 from routing.policies.base import Policy
 from routing.types import Decision, DecisionStats, Rejection, RequestInfo
 
@@ -54,6 +55,7 @@ class RequestProgress:
     _pools_for: Callable[[RequestInfo], ModelPools]
     policy: Policy
     admission: Admission
+    lora: LoraAffinity
 
     def dispatched(self, decision: Decision, req: RequestInfo, now: float) -> None:
         prefill = self.instances[decision.prefill]
@@ -82,6 +84,8 @@ class RequestProgress:
             )
         record.routed = self.index.record_route(prefill.id, req.block_hashes, now)
         self.requests[req.request_id] = record
+        if req.lora is not None:
+            self.lora.placed(req.lora, decision)
         for hook in self.after_dispatch:
             hook()
 
@@ -135,6 +139,8 @@ class RequestProgress:
         work.est_arrival_s = now + target.predictors.link.time(rec.request.prompt_tokens)
         target.add_incoming(work)
         rec.decision = replace(d, decode=target.id, reason=reason or d.reason)
+        if rec.request.lora is not None:
+            self.lora.placed(rec.request.lora, rec.decision)
         return rec.decision
 
     def rebook(self, request_id: str, instance_id: str, now: float) -> Decision | None:
@@ -346,6 +352,8 @@ class RequestProgress:
         rec = self.requests.pop(request_id, None)
         if rec is None:
             return None
+        if rec.request.lora is not None:
+            self.lora.left(request_id)
         prefill = self.instances.get(rec.decision.prefill)
         if prefill is not None and request_id in prefill.prefill_queue:
             prefill.finish_prefill(request_id, now)

@@ -64,3 +64,18 @@ def test_a_finished_request_frees_its_slot_and_unknown_slots_count_as_free() -> 
     assert _place(c, "b2", "chat", 3, now=1.0).prefill == "c0"  # free again, and less busy
     c.lora.engine_state("c0", None)  # its LoRA metrics gone: nothing to wait for there
     assert _place(c, "b3", "code", 4, now=1.0).prefill == "c0"
+
+
+def test_a_request_placed_again_counts_once_where_it_is_now() -> None:
+    c = _conductor()
+    first = _place(c, "a1", "sql", 1)
+    elsewhere = "c1" if first.prefill == "c0" else "c0"
+    moved = replace(first, prefill=elsewhere, decode=elsewhere)
+    c.lora.placed("sql", moved)  # as a fallback's re-dispatch or a decode move does
+    c.lora.engine_state(first.prefill, EngineAdapters(1))
+    assert _place(c, "b1", "chat", 2).prefill == first.prefill  # its old slot is free
+    pool = [c.instances["c0"], c.instances["c1"]]
+    assert c.lora.candidates("code", pool) == pool  # no free slot: the whole pool
+    c.lora.left("a1")
+    c.lora.left("a1")  # twice: nothing more to take away
+    assert c.lora.candidates("code", pool) == [c.instances[elsewhere]]
