@@ -23,6 +23,7 @@ class StackSpec:
     colocated: int = 0
     protocol: PDProtocol = PDProtocol.VLLM
     profile: str = "llama3-8b-h100-tp1"
+    model: str | None = None  # the emulators' served model name; None = the profile's
     time_scale: float = 0.05
     block_size: int = 16
     kv_events: bool = True
@@ -56,12 +57,15 @@ class LiveStack:
                     role=role,
                     protocol=s.protocol,
                     profile=s.profile,
+                    model=s.model,
                     port=0,
                     time_scale=s.time_scale,
                     block_size=s.block_size,
                     kv_events_port=0 if s.kv_events else None,
                     decode_tbt_limit_ms=s.decode_tbt_limit_ms if role is not Role.PREFILL else None,
                     cache_capacity_tokens=s.cache_capacity_tokens,
+                    # The adapters the gateway is told of (routing.lora_adapters) are served.
+                    lora_adapters=tuple((n, n) for n in s.base.routing.lora_adapters),
                     bootstrap_port=0
                     if (s.protocol is PDProtocol.SGLANG and role is Role.PREFILL)
                     else None,

@@ -50,6 +50,7 @@ class EppStackSpec:
     # sidecar_url gets a `kvgate pd-sidecar` started here (e.g. a real vLLM NIXL pair)
     instances: tuple[InstanceSettings, ...] = ()
     profile: str = "llama3-8b-h100-tp1"
+    model: str | None = None  # the emulators' served model name; None = the profile's
     time_scale: float = 0.05
     block_size: int = 16
     kv_events: bool = True
@@ -103,6 +104,7 @@ class EppStack:
                 EmulatorConfig(
                     role=role,
                     profile=s.profile,
+                    model=s.model,
                     port=0,
                     time_scale=s.time_scale,
                     block_size=s.block_size,

@@ -54,12 +54,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="refuse decodes whose step time would exceed this (503); default off",
     )
-    parser.add_argument("--model", default=None, help="served model name (default: profile)")
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="served model name(s), as vLLM's --served-model-name (default: the profile)",
+    )
     parser.add_argument(
         "--model-dir",
         default=None,
         help="HF model directory: tokenize prompts with its tokenizer and chat template "
         "(as the gateway's routing.model_dir); default: the approximate tokenizer",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="serve these LoRA adapters, as vLLM's --lora-modules (the path is only hashed, "
+        "as vLLM hashes it; no weights are read)",
     )
     parser.add_argument(
         "--bootstrap-port",
@@ -82,10 +96,18 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_format=args.kv_events_format,
         link_gbps=args.link_gbps,
         decode_tbt_limit_ms=args.decode_tbt_limit_ms,
-        model=args.model,
+        model=args.model[0] if args.model else None,
+        model_aliases=tuple(args.model[1:]) if args.model else (),
         model_dir=args.model_dir,
         bootstrap_port=args.bootstrap_port,
+        lora_adapters=tuple(_lora_module(m) for m in args.lora_modules),
     )
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    """``name=path`` or ``name`` (the path then is the name)."""
+    name, _, path = spec.partition("=")
+    return name, path or name
 
 
 async def _run(config: EmulatorConfig) -> None:

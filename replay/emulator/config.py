@@ -31,6 +31,8 @@ class EmulatorConfig:
     link_latency_s: float = 0.0005  # replay.engine.network default
     decode_tbt_limit_ms: float | None = None  # Mooncake's decode-side TBT check; None = off
     model: str | None = None  # served model name; None = the profile name
+    # More names it answers to (vLLM's --served-model-name takes several; the first is ``model``)
+    model_aliases: tuple[str, ...] = ()
     bootstrap_port: int | None = None  # SGLang: extra port serving the bootstrap endpoint
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Engine model knobs; None = the same defaults replay.sim.fleet gives the simulator.
@@ -47,6 +49,9 @@ class EmulatorConfig:
     # HF model directory: tokenize and render chat as the gateway with routing.model_dir does.
     model_dir: str | None = None
     hash_seed: int = 0  # BlockHasher seed, same default as RoutingSettings
+    # LoRA adapters served, ``(name, path)`` as vLLM's ``--lora-modules name=path``: a request
+    # naming one is keyed and published in the adapter's space (vLLM hashes the path too).
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # argparse and TOML hand strings over; accept them for the enums.
@@ -73,6 +78,11 @@ class EmulatorConfig:
                 raise ValueError(f"{name} must be in [0, 65535]")
         if self.default_max_tokens < 1 or self.max_inflight < 1:
             raise ValueError("default_max_tokens and max_inflight must be >= 1")
+        names = [name for name, _ in self.lora_adapters]
+        if any(not name for name in names) or len(set(names)) != len(names):
+            raise ValueError("LoRA adapter names must be non-empty and unique")
+        if set(names) & set(self.served_names):
+            raise ValueError("a LoRA adapter may not have a served model's name")
 
     @property
     def engine_profile(self) -> EngineProfile:
@@ -88,6 +98,11 @@ class EmulatorConfig:
     @property
     def served_model(self) -> str:
         return self.model or self.profile
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every base-model name a request may use (``/v1/models`` lists each)."""
+        return (self.served_model, *self.model_aliases)
 
     @property
     def link_bytes_per_s(self) -> float:

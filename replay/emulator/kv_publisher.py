@@ -24,7 +24,13 @@ import msgpack
 import zmq
 
 from replay.emulator.config import KVEventsFormat
-from replay.emulator.vllm_hashing import VllmBlockHashes, external_hash, stand_in_digest
+from replay.emulator.vllm_hashing import (
+    PLAIN,
+    BlockNamespace,
+    VllmBlockHashes,
+    external_hash,
+    stand_in_digest,
+)
 from routing.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 
 log = logging.getLogger(__name__)
@@ -45,16 +51,20 @@ class StoredRun:
     # when it is not known any more.
     prompt_tokens: Sequence[int] | None = field(default=None, compare=False, repr=False)
     start_block: int = field(default=0, compare=False)
+    space: BlockNamespace = PLAIN  # the prompt's LoRA adapter / cache salt
 
 
 @dataclass(frozen=True, slots=True)
 class VllmStored:
-    """A BlockStored as vLLM sends it: vLLM's hashes (u64), parent, tokens."""
+    """A BlockStored as vLLM sends it: vLLM's hashes (u64), parent, tokens, and the
+    adapter / salt keys the hashes were made with."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     medium: str = "GPU"
+    space: BlockNamespace = PLAIN
+    start_block: int = 0  # the run's first block in its prompt (a salt keys block 0 only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +81,9 @@ class PromptBlocks(Protocol):
 
     @property
     def token_ids(self) -> Sequence[int] | None: ...
+
+    @property
+    def space(self) -> BlockNamespace: ...
 
 
 def stored_runs(
@@ -107,7 +120,9 @@ def stored_runs(
             if prompt.token_ids is not None:
                 tokens = tuple(prompt.token_ids[pos * block_size : (pos + j - i) * block_size])
             parent = chain[pos - 1] if pos > 0 else None
-            runs.append(StoredRun(hashes[i:j], parent, tokens, medium, prompt.token_ids, pos))
+            runs.append(
+                StoredRun(hashes[i:j], parent, tokens, medium, prompt.token_ids, pos, prompt.space)
+            )
         i = j
     return runs
 
@@ -121,6 +136,7 @@ def to_vllm(run: StoredRun, hashes: VllmBlockHashes) -> VllmStored:
             run.parent_block_hash,
             run.prompt_tokens,
             run.start_block,
+            run.space,
         )
     else:  # a copy fetched without its tokens: vLLM has no such event; a token-less stand-in
         key = run.parent_block_hash
@@ -131,6 +147,8 @@ def to_vllm(run: StoredRun, hashes: VllmBlockHashes) -> VllmStored:
         None if parent is None else external_hash(parent),
         run.token_ids,
         run.medium,
+        run.space,
+        run.start_block,
     )
 
 
@@ -139,29 +157,30 @@ def encode_event(
 ) -> Any:
     """One event in vLLM's array (before PR #42892) or map encoding (0.32's field set)."""
     if isinstance(item, VllmStored):
-        hashes, tokens = list(item.block_hashes), list(item.token_ids)
-        if fmt == "array":  # lora_id None: the emulator serves no adapters
-            return [
-                "BlockStored",
-                hashes,
-                item.parent_block_hash,
-                tokens,
-                block_size,
-                None,
-                item.medium,
-            ]
+        hashes, tokens, space = list(item.block_hashes), list(item.token_ids), item.space
+        extra = [space.event_keys(item.start_block + i) for i in range(len(hashes))]
+        if fmt == "array":
+            head = ["BlockStored", hashes, item.parent_block_hash, tokens, block_size]
+            head += [space.lora_id, item.medium]
+            if space == PLAIN:  # the field set of the releases that sent arrays
+                return head
+            return [*head, space.lora_name, extra]
         return {
             "type": "BlockStored",
             "block_hashes": hashes,
             "parent_block_hash": item.parent_block_hash,
             "token_ids": tokens,
             "block_size": block_size,
-            "lora_id": None,
+            "lora_id": space.lora_id,
             "medium": item.medium,
-            "lora_name": None,
-            "extra_keys": [None] * len(hashes),
+            "lora_name": space.lora_name,
+            "extra_keys": extra,
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
+            "kv_cache_spec_sliding_window": None,
+            "locality": None,
+            "ownership": None,
+            "session_id": None,
         }
     if isinstance(item, VllmRemoved):
         if fmt == "array":

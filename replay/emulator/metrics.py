@@ -30,11 +30,19 @@ class EngineLoad:
     running: int
     waiting: int
     kv_usage: float  # 0..1
+    running_adapters: tuple[str, ...] = ()  # LoRA adapters of running / waiting requests
+    waiting_adapters: tuple[str, ...] = ()
 
 
 class EmulatorMetrics:
     def __init__(
-        self, model_name: str, *, sglang: bool, block_size: int, num_gpu_blocks: int
+        self,
+        model_name: str,
+        *,
+        sglang: bool,
+        block_size: int,
+        num_gpu_blocks: int,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         reg, names = self.registry, ["model_name", "engine"]
@@ -96,6 +104,17 @@ class EmulatorMetrics:
             )
         self._hit_tokens = 0
         self._query_tokens = 0
+        # vLLM with --enable-lora: one series per adapter set seen, valued by when it was
+        # last seen (so a reader takes the newest; older series stay, as in vLLM).
+        self._max_loras = max_loras
+        self._lora: Gauge | None = None
+        if max_loras is not None:
+            self._lora = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=reg,
+            )
 
     def prefilled(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.hits.labels(*self._labels).inc(cached_tokens)
@@ -122,6 +141,9 @@ class EmulatorMetrics:
         self.running.labels(*self._labels).set(load.running)
         self.waiting.labels(*self._labels).set(load.waiting)
         self.kv_usage.labels(*self._labels).set(load.kv_usage)
+        if self._lora is not None:
+            waiting, running_lora = ",".join(load.waiting_adapters), ",".join(load.running_adapters)
+            self._lora.labels(str(self._max_loras), waiting, running_lora).set_to_current_time()
         if self._sglang is not None:
             running, queue, usage, hit_rate = self._sglang
             model = self._labels[0]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from routing.prompt import PromptError
-from routing.prompt_encoder import CHAT_PATH, PromptEncoder
+from routing.prompt_encoder import CHAT_PATH, PromptEncoder, cache_salt
 from routing.responses_input import responses_chat_body
 from routing.tokenizer import unpack_token_ids
 
@@ -67,6 +67,7 @@ class ParsedRequest:
     # /v1/responses (served colocated: vLLM's Responses answer carries no kv_transfer_params)
     responses: bool = False
     previous_response: str | None = None
+    cache_salt: str | None = None  # vLLM's per-request prefix-cache namespace
 
 
 def _encoded(encoder: PromptEncoder, path: str, body: dict[str, Any]) -> list[int]:
@@ -184,6 +185,10 @@ def parse_request(
     if kv is not None and not isinstance(kv, dict):
         raise RequestError(400, "kv_transfer_params must be an object", "kv_transfer_params")
     model = body.get("model")
+    try:
+        salt = cache_salt(body)
+    except PromptError as exc:
+        raise RequestError(400, str(exc), exc.param) from None
     return ParsedRequest(
         chat=chat,
         model=model if isinstance(model, str) else None,
@@ -193,6 +198,7 @@ def parse_request(
         include_usage=stream and bool(options.get("include_usage")),
         kv_transfer_params=kv,
         bootstrap=_bootstrap(body),
+        cache_salt=salt,
     )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from replay.emulator.vllm_hashing import PLAIN, BlockNamespace
 from replay.engine.engine import DecodeSeq, Engine, PrefillJob, StepReport
 from routing.types import KVEvent
 
@@ -51,6 +52,7 @@ class RequestStream:
     output_tokens: int  # tokens this engine makes for it (1 for a prefill leg)
     block_hashes: tuple[int, ...] = ()
     token_ids: Sequence[int] | None = None  # for KV events' token_ids; None if unknown
+    space: BlockNamespace = PLAIN  # the LoRA adapter / cache salt its blocks are hashed in
     updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
 
     async def next(self) -> Update:
@@ -142,10 +144,13 @@ class EngineRuntime:
         prompt_tokens: int,
         output_tokens: int,
         token_ids: Sequence[int] | None = None,
+        space: BlockNamespace = PLAIN,
     ) -> RequestStream:
         """Prefill (and, if ``output_tokens`` > 1, decode here: colocated serving)."""
         self._check_room(request_id)
-        stream = RequestStream(request_id, prompt_tokens, output_tokens, block_hashes, token_ids)
+        stream = RequestStream(
+            request_id, prompt_tokens, output_tokens, block_hashes, token_ids, space
+        )
         self._streams[request_id] = stream
         job = PrefillJob(request_id, block_hashes, prompt_tokens, output_tokens, self.block_size)
         self.engine.submit_prefill(job, self.now())

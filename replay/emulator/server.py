@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -34,6 +34,7 @@ from replay.emulator.serving import (
     responses,
 )
 from replay.emulator.state import EmulatorState, build_state
+from replay.emulator.vllm_hashing import PLAIN, BlockNamespace
 
 _MAX_POLL_S = 60.0
 
@@ -54,15 +55,22 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
 
 async def models(request: web.Request) -> web.Response:
     st = _state(request)
+    base = st.config.served_model
     card = {
-        "id": st.config.served_model,
+        "id": base,
         "object": "model",
         "created": 0,
         "owned_by": "kvgate-emulator",
         "root": st.config.profile,
+        "parent": None,
         "max_model_len": st.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    # vLLM lists each LoRA adapter after the base model, its root the adapter's path.
+    cards = [{**card, "id": name} for name in st.config.served_names] + [
+        {**card, "id": name, "root": space.lora_path, "parent": base, "max_model_len": None}
+        for name, space in st.adapters.items()
+    ]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -181,27 +189,39 @@ async def kv_fetch(request: web.Request) -> web.Response:
     await st.transfers.transfer(source, st.config.engine_id, tokens)
     blocks = tuple(hashes)
     if st.engine.cache is not None and blocks:
-        # The copy's token ids travel with it (for this instance's KV events, as vLLM's).
-        token_ids = await _source_tokens(st, source, blocks) if st.publisher else None
+        # The copy's token ids (and the adapter / salt they were hashed under) travel with it,
+        # for this instance's KV events, as vLLM's.
+        token_ids, space = None, PLAIN
+        if st.publisher is not None:
+            token_ids, space = await _source_tokens(st, source, blocks)
         st.engine.cache.insert(blocks)
-        st.runtime.publish_cache_events([_Fetched(blocks, token_ids)])
+        st.runtime.publish_cache_events([_Fetched(blocks, token_ids, space)])
     return web.json_response({"ok": True, "blocks": len(blocks)})
 
 
 async def _source_tokens(
     st: EmulatorState, source: str, blocks: tuple[int, ...]
-) -> list[int] | None:
-    """The source instance's token ids of ``blocks``; None when it does not know them all."""
+) -> tuple[list[int] | None, BlockNamespace]:
+    """The source instance's token ids of ``blocks`` (None when it does not know them all)
+    and the namespace they were hashed in."""
     if st.session is None:
-        return None
+        return None, PLAIN
     url = source.rstrip("/") + "/internal/kv/tokens"
     try:
         async with st.session.post(url, json={"block_hashes": list(blocks)}) as r:
             body = await r.json() if r.status == 200 else {}
     except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
-    token_ids = body.get("token_ids")
-    return token_ids if isinstance(token_ids, list) else None
+        return None, PLAIN
+    token_ids = body.get("token_ids") if isinstance(body, dict) else None
+    if not isinstance(token_ids, list):
+        return None, PLAIN
+    lora, salt = body.get("lora_name"), body.get("cache_salt")
+    adapter = st.adapters.get(lora) if isinstance(lora, str) else None
+    if adapter is None and isinstance(lora, str):  # not loaded here: the source's own path
+        path = body.get("lora_path")
+        adapter = BlockNamespace(lora, path if isinstance(path, str) else lora)
+    space = adapter or PLAIN
+    return token_ids, replace(space, cache_salt=salt if isinstance(salt, str) else None)
 
 
 async def kv_tokens(request: web.Request) -> web.Response:
@@ -213,8 +233,14 @@ async def kv_tokens(request: web.Request) -> web.Response:
             raise RequestError(400, "block_hashes must be a list of integers", "block_hashes")
     except RequestError as exc:
         return error_response(exc, {})
-    known = st.publisher.hashes.tokens_of(hashes) if st.publisher is not None else None
-    return web.json_response({"token_ids": known})
+    if st.publisher is None:
+        return web.json_response({"token_ids": None})
+    known = st.publisher.hashes.tokens_of(hashes)
+    space = st.publisher.hashes.space_of(hashes) if known is not None else None
+    if space is None:  # mixed namespaces: no single copy event could say them
+        return web.json_response({"token_ids": None})
+    answer = {"token_ids": known, "lora_name": space.lora_name, "lora_path": space.lora_path}
+    return web.json_response({**answer, "cache_salt": space.cache_salt})
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +249,7 @@ class _Fetched:
 
     block_hashes: tuple[int, ...]
     token_ids: list[int] | None = None
+    space: BlockNamespace = PLAIN
 
 
 def build_app(state: EmulatorState) -> web.Application:

@@ -25,6 +25,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from enum import Enum
 from typing import Any
 
@@ -44,6 +45,8 @@ from replay.emulator.pd import PinnedKV, pull_kv, wait_room
 from replay.emulator.responses_shapes import ResponsesShaper, responses_usage
 from replay.emulator.runtime import Kind, Refused, RequestStream
 from replay.emulator.state import EmulatorState
+from replay.emulator.vllm_hashing import PLAIN, BlockNamespace
+from routing.tokenizer import pack_token_ids
 
 STATE_KEY: web.AppKey[EmulatorState] = web.AppKey("emulator_state", EmulatorState)
 
@@ -94,6 +97,7 @@ class RequestRun:
 
     async def admit(self) -> None:
         st, req = self.state, self.req
+        space = request_space(st, req)
         if self.prompt_tokens + self.target > st.max_model_len:
             raise RequestError(
                 400,
@@ -101,11 +105,13 @@ class RequestRun:
                 f"the maximum model length {st.max_model_len}",
                 "max_tokens",
             )
+        if space.lora_name is not None:  # in the engine from here on, as vLLM counts it
+            st.adapter_of[self.iid] = space.lora_name
         if self.leg is not Leg.DECODE:
-            hashes = st.hasher.hash_tokens(req.token_ids)
+            hashes = _block_keys(st, req.token_ids, space)
             self.stream = self._submit(
                 lambda: st.runtime.submit_prefill(
-                    self.iid, hashes, self.prompt_tokens, self.target, req.token_ids
+                    self.iid, hashes, self.prompt_tokens, self.target, req.token_ids, space
                 )
             )
             return
@@ -191,6 +197,7 @@ class RequestRun:
 
     def close(self) -> None:
         """Always called: an unfinished request was abandoned by its client."""
+        self.state.adapter_of.pop(self.iid, None)
         if self.finished:
             return
         self.finished = True
@@ -201,6 +208,30 @@ class RequestRun:
     def usage(self) -> dict[str, Any]:
         shape = responses_usage if self.req.responses else usage
         return shape(self.prompt_tokens, self.generated, self.cached_tokens)
+
+
+def request_space(state: EmulatorState, req: ParsedRequest) -> BlockNamespace:
+    """The namespace of the request's blocks: the LoRA adapter its ``model`` names, and its
+    cache salt. A model the instance does not serve is vLLM's 404 (no model: the base one)."""
+    adapter = state.adapters.get(req.model) if req.model else None
+    if adapter is None and req.model and req.model not in state.config.served_names:
+        raise RequestError(404, f"The model `{req.model}` does not exist.", "model")
+    if adapter is None and req.cache_salt is None:
+        return PLAIN
+    return replace(adapter or PLAIN, cache_salt=req.cache_salt)
+
+
+def _block_keys(
+    state: EmulatorState, token_ids: list[int], space: BlockNamespace
+) -> tuple[int, ...]:
+    """The engine model's block keys: kvgate's own hashing, in the request's namespace the
+    way a gateway keys it, so that both agree on what an adapter's or a salted prompt is."""
+    hasher = state.hasher
+    if space == PLAIN:
+        return hasher.hash_tokens(token_ids)
+    n = hasher.num_blocks(token_ids) * hasher.block_size
+    root = hasher.namespace_root(space.lora_name, space.cache_salt)
+    return hasher.hash_packed(pack_token_ids(token_ids[:n]), root) if n else ()
 
 
 def _refusal_message(state: EmulatorState, reason: str) -> str:

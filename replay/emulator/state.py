@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -13,6 +13,7 @@ from replay.emulator.metrics import EmulatorMetrics, EngineLoad
 from replay.emulator.pd import BootstrapRooms, PinnedStore, TransferModel
 from replay.emulator.responses_shapes import StoredResponses
 from replay.emulator.runtime import EngineRuntime
+from replay.emulator.vllm_hashing import BlockNamespace
 from replay.engine.engine import Engine
 from replay.engine.network import Network
 from replay.engine.prefix_cache import PrefixCache
@@ -38,6 +39,10 @@ class EmulatorState:
     session: aiohttp.ClientSession | None = None  # outbound: KV pulls and bootstrap polls
     port: int = 0
     responses: StoredResponses = field(default_factory=StoredResponses)  # /v1/responses made
+    # LoRA adapters served (vLLM's --lora-modules), by name, and the adapter of each request
+    # in the engine (for vllm:lora_requests_info).
+    adapters: dict[str, BlockNamespace] = field(default_factory=dict)
+    adapter_of: dict[str, str] = field(default_factory=dict)
     _next_block_id: int = 0
 
     @property
@@ -63,7 +68,18 @@ class EmulatorState:
             + self.pinned.tokens
             + self.rooms.pinned_tokens
         )
-        return EngineLoad(running, waiting, min(used / engine.kv_capacity_tokens, 1.0))
+        load = EngineLoad(running, waiting, min(used / engine.kv_capacity_tokens, 1.0))
+        if not self.adapters:
+            return load
+        # vLLM's scheduler stats: an adapter runs if a scheduled request uses it, waits if a
+        # queued one does (dict keys: first seen first, as vLLM joins them).
+        queued = {j.request_id for j in engine.queue if j.started_s is None}
+        queued.update(s.request_id for s in engine.joining)
+        running: dict[str, None] = {}
+        waiting: dict[str, None] = {}
+        for rid, name in self.adapter_of.items():
+            (waiting if rid in queued else running)[name] = None
+        return replace(load, running_adapters=tuple(running), waiting_adapters=tuple(waiting))
 
     def reset_prefix_cache(self) -> None:
         """Empty the prefix cache (vLLM's /reset_prefix_cache) and tell subscribers."""
@@ -109,7 +125,12 @@ def build_state(config: EmulatorConfig) -> EmulatorState:
         engine, config.time_scale, config.block_size, max_inflight=config.max_inflight
     )
     network = Network(config.link_bytes_per_s, config.link_latency_s)
+    adapters = {
+        name: BlockNamespace(lora_name=name, lora_path=path, lora_id=i)
+        for i, (name, path) in enumerate(config.lora_adapters, start=1)
+    }
     return EmulatorState(
+        adapters=adapters,
         config=config,
         engine=engine,
         runtime=runtime,
@@ -118,6 +139,8 @@ def build_state(config: EmulatorConfig) -> EmulatorState:
             sglang=config.protocol.value == "sglang",
             block_size=config.block_size,
             num_gpu_blocks=profile.kv_capacity_tokens // config.block_size,
+            # No adapter slots are modelled: every adapter can run at once.
+            max_loras=len(adapters) if adapters else None,
         ),
         prompt_encoder=_prompt_encoder(config),
         hasher=BlockHasher(config.block_size, config.hash_seed),

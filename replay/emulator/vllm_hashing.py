@@ -7,6 +7,11 @@ the first block's parent is ``NONE_HASH = sha256(pickle.dumps("vllm-none-hash"))
 ``PYTHONHASHSEED`` when that is set), and events carry the digest's last 8 bytes as an
 unsigned 64-bit int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the default). Chaining needs the
 whole 32-byte digests, so ``VllmBlockHashes`` keeps them for the blocks the emulator holds.
+
+``extra_keys`` (``generate_block_hash_extra_keys``) are tagged in the hash: a LoRA adapter's
+``("lora", name, path)`` on every block, a cache salt's ``("cache_salt", salt)`` on a prompt's
+first block only, the LoRA key first; events publish them untagged (``to_event_extra_keys``:
+the name, the salt).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on the Pythons vLLM 0.32 supports
@@ -32,6 +38,33 @@ def block_digest(
     parent: bytes, token_ids: Sequence[int], extra_keys: tuple[object, ...] | None = None
 ) -> bytes:
     return sha256_pickle((parent, tuple(token_ids), extra_keys))
+
+
+@dataclass(frozen=True, slots=True)
+class BlockNamespace:
+    """What vLLM mixes into a block's hash besides its tokens (None: a plain prompt)."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None  # the adapter's path as vLLM was given it (hashed with it)
+    lora_id: int | None = None  # vLLM's int id of the adapter (1, 2, ... in load order)
+    cache_salt: str | None = None
+
+    def hash_keys(self, block_index: int) -> tuple[tuple[str, ...], ...] | None:
+        """Block ``block_index``'s tagged extra keys, as vLLM hashes them."""
+        keys: list[tuple[str, ...]] = []
+        if self.lora_name is not None:
+            keys.append(("lora", self.lora_name, self.lora_path or self.lora_name))
+        if block_index == 0 and self.cache_salt:
+            keys.append(("cache_salt", self.cache_salt))
+        return tuple(keys) or None
+
+    def event_keys(self, block_index: int) -> list[str] | None:
+        """The same keys untagged, as vLLM's events carry them."""
+        keys = self.hash_keys(block_index)
+        return None if keys is None else [k[1] for k in keys]
+
+
+PLAIN = BlockNamespace()
 
 
 def external_hash(digest: bytes) -> int:
@@ -53,6 +86,7 @@ class VllmBlockHashes:
         self.root = none_hash(seed)
         self._digests: dict[int, bytes] = {}
         self._tokens: dict[int, tuple[int, ...]] = {}
+        self._spaces: dict[int, BlockNamespace] = {}  # only blocks outside the plain space
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -67,22 +101,27 @@ class VllmBlockHashes:
         parent_key: int | None,
         prompt_tokens: Sequence[int] | None = None,
         start_block: int = 0,
+        space: BlockNamespace = PLAIN,
     ) -> tuple[bytes | None, list[bytes]]:
         """The parent's digest (None for a prompt's first block) and the digests of blocks
-        ``keys`` with ``token_ids`` after ``parent_key``'s block. When the parent's digest is
-        not known, it is rebuilt from ``prompt_tokens`` (whose block ``start_block`` the run
-        starts at)."""
+        ``keys`` with ``token_ids`` after ``parent_key``'s block, in namespace ``space``. When
+        the parent's digest is not known, it is rebuilt from ``prompt_tokens`` (whose block
+        ``start_block`` the run starts at)."""
         parent = (
-            None if parent_key is None else self._parent(parent_key, prompt_tokens, start_block)
+            None
+            if parent_key is None
+            else self._parent(parent_key, prompt_tokens, start_block, space)
         )
         digest = self.root if parent is None else parent
         size = self.block_size
         out: list[bytes] = []
         for i, key in enumerate(keys):
             block = tuple(token_ids[i * size : (i + 1) * size])
-            digest = block_digest(digest, block)
+            digest = block_digest(digest, block, space.hash_keys(start_block + i))
             self._digests[key] = digest
             self._tokens[key] = block
+            if space != PLAIN:
+                self._spaces[key] = space
             out.append(digest)
         return parent, out
 
@@ -96,6 +135,11 @@ class VllmBlockHashes:
             out.extend(block)
         return out
 
+    def space_of(self, keys: Sequence[int]) -> BlockNamespace | None:
+        """The namespace blocks ``keys`` were hashed in; None if they were not all in one."""
+        spaces = {self._spaces.get(key, PLAIN) for key in keys}
+        return spaces.pop() if len(spaces) == 1 else None
+
     def stand_in(self, key: int) -> bytes:
         """Remember a block whose tokens the emulator does not know (a fetched copy)."""
         return self._digests.setdefault(key, stand_in_digest(key))
@@ -103,15 +147,21 @@ class VllmBlockHashes:
     def forget(self, key: int) -> bytes:
         """The block left the cache: its digest (for the removal event), now forgotten."""
         self._tokens.pop(key, None)
+        self._spaces.pop(key, None)
         digest = self._digests.pop(key, None)
         return digest if digest is not None else stand_in_digest(key)
 
     def clear(self) -> None:
         self._digests.clear()
         self._tokens.clear()
+        self._spaces.clear()
 
     def _parent(
-        self, parent_key: int, prompt_tokens: Sequence[int] | None, start_block: int
+        self,
+        parent_key: int,
+        prompt_tokens: Sequence[int] | None,
+        start_block: int,
+        space: BlockNamespace,
     ) -> bytes:
         known = self._digests.get(parent_key)
         if known is not None:
@@ -121,7 +171,9 @@ class VllmBlockHashes:
             return stand_in_digest(parent_key)  # nothing better: the chain is unknown
         size = self.block_size
         for b in range(start_block):
-            digest = block_digest(digest, prompt_tokens[b * size : (b + 1) * size])
+            digest = block_digest(
+                digest, prompt_tokens[b * size : (b + 1) * size], space.hash_keys(b)
+            )
         return digest
 
 

@@ -31,7 +31,7 @@ from routing.prompt import count_stream_tokens
 class LoadOptions:
     target: str  # gateway base URL
     time_scale: float = 1.0  # wall seconds per model second (emulators' --time-scale)
-    model: str | None = None
+    model: str | None = None  # None: no model field (the engine's own model, as vLLM defaults)
     label: str = "live"
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
@@ -60,14 +60,15 @@ async def send_one(
     out: RequestOutcome,
 ) -> None:
     scale = opts.time_scale
-    body = {
-        "model": opts.model or "kvgate",
+    body: dict[str, object] = {
         "prompt": ids,
         "max_tokens": max(tr.output_length, 1),
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
+    if opts.model is not None:  # a made-up name would be a 404 at a real engine
+        body["model"] = opts.model
     headers = {"X-Request-Id": f"replay-{tr.index}"}
     sent = time.perf_counter()
     out.arrival_s = (sent - t0) / scale
@@ -201,6 +202,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=30.0)
     p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument(
+        "--model",
+        help="the requests' model field (needed when the gateway has a models table); "
+        "default: none, so the engines serve their own model",
+    )
     p.add_argument("--label", default="live")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
@@ -230,6 +236,7 @@ def main(args: argparse.Namespace) -> int:
     opts = LoadOptions(
         args.target.rstrip("/"),
         args.time_scale,
+        model=args.model,
         label=args.label,
         ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo,

@@ -91,7 +91,7 @@ def test_exposed_names_map_suffixes_to_families() -> None:
 @pytest.fixture(scope="module")
 def metrics_text() -> str:
     """/metrics of a gateway on one prefill and one decode emulator, after two requests."""
-    with live_stack(StackSpec(prefill=1, decode=1, time_scale=0.02)) as s:
+    with live_stack(StackSpec(prefill=1, decode=1, time_scale=0.02, model="m")) as s:
 
         async def scrape() -> str:
             async with aiohttp.ClientSession() as session:

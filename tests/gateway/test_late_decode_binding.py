@@ -17,7 +17,9 @@ from tests.gateway.live import live_stack
 
 @pytest.fixture(scope="module")
 def stack():
-    with live_stack(StackSpec(prefill=1, decode=2, protocol=PDProtocol.VLLM, time_scale=0.02)) as s:
+    with live_stack(
+        StackSpec(prefill=1, decode=2, protocol=PDProtocol.VLLM, time_scale=0.02, model="m")
+    ) as s:
         yield s
 
 

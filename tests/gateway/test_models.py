@@ -30,12 +30,20 @@ def engines() -> Iterator[list[RunningEmulator]]:
     def run(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
 
-    names = ("alpha", "alpha", "beta")
+    # As vLLM would serve them: alpha also as "a" (--served-model-name alpha a), with the
+    # adapters the tests below name (--lora-modules).
+    names = (("alpha", "a"), ("alpha", "a"), ("beta",))
+    adapters = (("alpha-sql", "/lora/alpha-sql"), ("sql", "/lora/sql"))
     emus = [
         run(
             start_emulator(
                 EmulatorConfig(
-                    role=Role.BOTH, protocol=PDProtocol.VLLM, time_scale=0.02, model=name
+                    role=Role.BOTH,
+                    protocol=PDProtocol.VLLM,
+                    time_scale=0.02,
+                    model=name[0],
+                    model_aliases=name[1:],
+                    lora_adapters=adapters,
                 )
             )
         )
@@ -119,10 +127,13 @@ def test_without_models_table_v1_models_lists_the_engines_models(
 ) -> None:
     with TestClient(build_app(_settings(engines, with_models=False))) as client:
         ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
-        assert ids == ["alpha", "beta"]
-        # Single-model configs keep ignoring ``model`` for routing, as before.
+        assert ids == ["a", "alpha", "alpha-sql", "beta", "sql"]  # names and adapters
+        # Single-model configs keep ignoring ``model`` for routing, as before: the request is
+        # placed and forwarded, and the engine answers for a name it does not serve.
         r = client.post("/v1/completions", json={"model": "whatever", "prompt": "hi " * 30})
-        assert r.status_code == 200, r.text
+        err = r.json()["error"]  # the engine's answer, not kvgate's model_not_found
+        assert r.status_code == 404 and err["code"] == 404, err
+        assert err["message"] == "The model `whatever` does not exist."
 
 
 def _keys(gw: Any, model: Any, text: str) -> tuple[int, ...]:

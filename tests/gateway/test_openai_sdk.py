@@ -12,7 +12,9 @@ from tests.gateway.live import live_stack
 
 @pytest.fixture(scope="module", params=[PDProtocol.VLLM, PDProtocol.SGLANG], ids=["vllm", "sglang"])
 def stack(request):
-    with live_stack(StackSpec(prefill=1, decode=1, protocol=request.param, time_scale=0.02)) as s:
+    with live_stack(
+        StackSpec(prefill=1, decode=1, protocol=request.param, time_scale=0.02, model="m")
+    ) as s:
         yield s
 
 
@@ -80,7 +82,7 @@ def test_books_return_to_zero(stack) -> None:
 
 @pytest.fixture(scope="module")
 def colocated():
-    with live_stack(StackSpec(colocated=2, time_scale=0.02)) as s:
+    with live_stack(StackSpec(colocated=2, time_scale=0.02, model="m")) as s:
         yield s
 
 

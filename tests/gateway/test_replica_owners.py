@@ -108,7 +108,11 @@ def test_a_follow_up_sent_to_another_replica_reaches_the_engine_that_holds_its_r
         engines = [
             await start_emulator(
                 EmulatorConfig(
-                    role=Role.BOTH, port=0, time_scale=0.05, profile="llama3-8b-h100-tp1"
+                    role=Role.BOTH,
+                    port=0,
+                    time_scale=0.05,
+                    profile="llama3-8b-h100-tp1",
+                    model="m",
                 )
             )
             for _ in range(2)

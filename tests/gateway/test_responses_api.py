@@ -65,7 +65,7 @@ def test_whole_and_streamed_answers_are_relayed_and_kept_in_the_books() -> None:
         streamed = await _post(s, stack.url, {**body, "max_output_tokens": 5, "stream": True})
         return whole, streamed, stack.gateway.metrics.render().decode(), stack.gateway
 
-    whole, streamed, metrics, gw = asyncio.run(with_stack(StackSpec(colocated=2), check))
+    whole, streamed, metrics, gw = asyncio.run(with_stack(StackSpec(colocated=2, model="m"), check))
     assert whole[0] == 200 and b'"output_tokens": 4' in whole[2]
     assert streamed[0] == 200 and streamed[2].count(b"event: response.output_text.delta") == 5
     assert streamed[2].rstrip().endswith(b'"type":"response.completed"}')
@@ -104,7 +104,7 @@ def test_a_follow_up_goes_to_the_instance_that_made_its_response() -> None:
         return status, owner, control, follow, unknown
 
     status, owner, control, follow, unknown = asyncio.run(
-        with_stack(StackSpec(colocated=2, time_scale=0.05), check)
+        with_stack(StackSpec(colocated=2, time_scale=0.05, model="m"), check)
     )
     assert status == 200 and owner is not None
     assert control[0] == 200 and control[1] != owner  # the follow-ups had somewhere else to go
@@ -116,5 +116,5 @@ def test_prefill_decode_pools_refuse_it_with_a_clear_error() -> None:
     async def check(stack: LiveStack, s: aiohttp.ClientSession):
         return await _post(s, stack.url, {"model": "m", "input": "hi"})
 
-    status, _, raw = asyncio.run(with_stack(StackSpec(prefill=1, decode=1), check))
+    status, _, raw = asyncio.run(with_stack(StackSpec(prefill=1, decode=1, model="m"), check))
     assert status == 400 and b"colocated pools only" in raw and b'"param": "model"' in raw

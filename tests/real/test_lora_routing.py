@@ -8,7 +8,8 @@ prompt sent to the engine directly under the adapter, the keys kvgate computes f
 enter its view from the engine's events alone (``lora_name`` "tl"), and the base model's keys
 for the very same prompt must not: through kvgate, the adapter's request then hits its KV on
 the engine, and the base model's finds none of it (the engine never reuses an adapter's KV for
-the base model; its prefix-cache hit counter does not move).
+the base model; its prefix-cache hit counter does not move). The emulator, serving the same
+adapter, publishes the same events for the same request as the real engine.
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ import re
 import subprocess
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from backends.engine_events import EngineBlockStored
+from backends.kv_events import KVEventSubscriber
 from config.loader import settings_from_dict
 from gateway.app import build_app
 from gateway.openai import CHAT, COMPLETIONS
+from replay.emulator import EmulatorConfig, start_emulator
 from tests.gateway.live import serving
 from tests.real.conftest import EngineInstall
 from tests.real.engines import (
@@ -50,19 +56,28 @@ HITS = "vllm:prefix_cache_hits_total"
 
 
 @pytest.fixture(scope="module")
-def vllm_pair(
+def adapter_dirs(
     vllm_install: EngineInstall, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[EngineProcess]]:
-    """Two vLLMs serving the tiny model and two adapters of it, one adapter at a time each
-    (``--max-loras 1``, vLLM's default), KV events over ipc://."""
-    modules = []
+) -> dict[str, Path]:
+    """The adapters of the tiny model (engines/make_tiny_lora.py), by name."""
+    dirs = {}
     for name in ADAPTERS:
         adapter = tmp_path_factory.mktemp("lora") / name
         script = ENGINE_SCRIPTS / "make_tiny_lora.py"
         model = str(vllm_model_dir())
         cmd = [str(vllm_python()), str(script), "--model", model, "--out", str(adapter)]
         subprocess.run(cmd, check=True, timeout=300)
-        modules.append(f"{name}={adapter}")
+        dirs[name] = adapter
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(
+    adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[EngineProcess]]:
+    """Two vLLMs serving the tiny model and two adapters of it, one adapter at a time each
+    (``--max-loras 1``, vLLM's default), KV events over ipc://."""
+    modules = [f"{name}={path}" for name, path in adapter_dirs.items()]
     # One adapter in a batch (vLLM's default); both kept loaded in host memory, so that a
     # switch costs no reload from disk.
     lora_args = ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "2", "--max-lora-rank"]
@@ -249,3 +264,79 @@ def test_an_adapter_goes_where_its_slot_is_free(vllm_pair: list[EngineProcess]) 
     print("\nLoRA affinity off:", without, "\nLoRA affinity on:", with_)
     assert with_["busy on"] == "v0"
     assert [on for on, _ in with_["other adapter"]] == ["v1"] * 3
+
+
+def test_the_emulator_publishes_an_adapters_blocks_as_vllm_does(
+    vllm_lora: EngineProcess, adapter_dirs: dict[str, Path]
+) -> None:
+    """The same chat request under the adapter, with a cache salt, sent to the real vLLM and
+    to an emulator serving the same adapter (the model's tokenizer, vLLM's block size): the
+    same BlockStored events (hashes, parent, tokens, lora_id, lora_name, extra keys)."""
+    assert vllm_lora.kv_events_endpoint is not None and vllm_lora.model_dir is not None
+    config = EmulatorConfig(
+        time_scale=0.01,
+        kv_events_port=0,
+        kv_events_format="map",
+        block_size=32,
+        model=vllm_lora.model,
+        model_dir=str(vllm_lora.model_dir),
+        lora_adapters=tuple((name, str(path)) for name, path in adapter_dirs.items()),
+    )
+    system = f"An adapter's prompt, seen once ({uuid.uuid4().hex}). " * 12
+    body = {
+        "model": ADAPTER,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "cache_salt": "tenant-7",
+    }
+
+    async def main() -> dict[str, list[EngineBlockStored]]:
+        emu = await start_emulator(config)
+        seen: dict[str, list[EngineBlockStored]] = {"vllm": [], "emulator": []}
+
+        def collect(name: str) -> Any:
+            def on_events(_instance: str, events: list[Any]) -> None:
+                stored = (e for e in events if isinstance(e, EngineBlockStored))
+                seen[name].extend(e for e in stored if e.lora_name == ADAPTER)
+
+            return on_events
+
+        assert emu.kv_events_endpoint is not None
+        subs = [
+            KVEventSubscriber(vllm_lora.kv_events_endpoint, "vllm", collect("vllm")),
+            KVEventSubscriber(emu.kv_events_endpoint, "emu", collect("emulator"), bind=False),
+        ]
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(sub.run(stop)) for sub in subs]
+        try:
+            await asyncio.sleep(0.5)  # ZMQ slow joiner: let both SUBs connect
+            async with aiohttp.ClientSession() as s:
+                for url in (vllm_lora.url, emu.url):
+                    async with s.post(url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+            await wait_until(lambda: bool(seen["vllm"] and seen["emulator"]))
+            await asyncio.sleep(0.5)  # any later batch
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+            await emu.stop()
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+    def blocks(events: list[EngineBlockStored]) -> dict[str, Any]:
+        """The events' blocks in order (vLLM may split a prompt's blocks over events)."""
+        first = events[0]
+        return {
+            "hashes": [h for e in events for h in e.block_hashes],
+            "parent": first.parent_block_hash,
+            "tokens": [t for e in events for t in e.token_ids],
+            "extra_keys": [k for e in events for k in (e.extra_keys or ())],
+            "lora": {(e.lora_id, e.lora_name) for e in events},
+        }
+
+    real, ours = blocks(seen["vllm"]), blocks(seen["emulator"])
+    print("\nadapter blocks, vLLM:", len(real["hashes"]), real["lora"], real["extra_keys"][:2])
+    assert len(real["hashes"]) >= 10 and real["parent"] is None
+    assert real["extra_keys"][:2] == [(ADAPTER, "tenant-7"), (ADAPTER,)]
+    assert ours == real

@@ -23,7 +23,7 @@ def _spec(**kw):
     base = kw.pop("base", None) or Settings()
     base = replace(base, admission=replace(base.admission, mode=AdmissionMode.EARLY))
     kw.setdefault("engines", 3)
-    return EppStackSpec(base=base, workdir=WORK / kw.pop("name", "main"), **kw)
+    return EppStackSpec(base=base, workdir=WORK / kw.pop("name", "main"), model="m", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ def pd():
     from gateway.epp.stack import EppStackSpec
 
     require_envoy()
-    with envoy_stack(EppStackSpec(pd=2, engines=0, workdir=WORK / "pd")) as ts:
+    with envoy_stack(EppStackSpec(pd=2, engines=0, workdir=WORK / "pd", model="m")) as ts:
         yield ts
 
 

@@ -22,6 +22,7 @@ from replay.emulator.kv_publisher import (
     to_vllm,
 )
 from replay.emulator.vllm_hashing import (
+    PLAIN,
     VllmBlockHashes,
     block_digest,
     external_hash,
@@ -112,6 +113,10 @@ def test_kv_events_follow_the_prefix_cache(fmt: str) -> None:
             "extra_keys": [None] * len(hashes),
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
+            "kv_cache_spec_sliding_window": None,
+            "locality": None,
+            "ownership": None,
+            "session_id": None,
         }
 
     async def body(emu: RunningEmulator, sub: zmq.asyncio.Socket, s: aiohttp.ClientSession) -> None:
@@ -197,7 +202,7 @@ def test_a_copy_from_another_instance_carries_its_tokens_into_the_events() -> No
 def test_stored_runs_split_into_contiguous_runs() -> None:
     class Prompt:
         def __init__(self, hashes: tuple[int, ...], tokens: list[int] | None) -> None:
-            self.block_hashes, self.token_ids = hashes, tokens
+            self.block_hashes, self.token_ids, self.space = hashes, tokens, PLAIN
 
     a = Prompt((1, 2, 3, 4), list(range(8)))  # block size 2
     runs = stored_runs(BlockStored((2, 4, 99, 100)), [a], 2)
@@ -225,11 +230,11 @@ def test_to_vllm_rebuilds_a_forgotten_parent_from_the_prompt() -> None:
     want = vllm_hashes(tokens, 2)
 
     class Prompt:
-        block_hashes, token_ids = keys, tokens
+        block_hashes, token_ids, space = keys, tokens, PLAIN
 
     names = VllmBlockHashes(2)
     (run,) = stored_runs(BlockStored(keys[2:]), [Prompt()], 2)
     # The emulator never announced blocks 0 and 1 (e.g. its map was cleared since).
-    assert to_vllm(run, names) == VllmStored((want[2],), want[1], (4, 5))
+    assert to_vllm(run, names) == VllmStored((want[2],), want[1], (4, 5), start_block=2)
     assert names.get(13) is not None and names.get(12) is None
     assert external_hash(names.forget(13)) == want[2] and len(names) == 0

@@ -57,7 +57,7 @@ def test_whole_and_streamed_answers_have_vllms_shape_and_a_follow_up_its_404() -
             async with s.post(emu.url + "/v1/responses", json=again) as r:
                 got[previous] = (r.status, await r.json())
 
-    run(body)
+    run(body, model="m")
     status, whole = got["whole"]
     assert status == 200 and _keys(whole) == _keys(vllm_whole)
     assert whole["status"] == "incomplete" and whole["usage"]["output_tokens"] == 4

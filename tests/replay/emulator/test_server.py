@@ -133,7 +133,7 @@ def test_chat_completions_streaming_and_not() -> None:
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == min(prompt_tokens // 16 * 16, prompt_tokens - 1) > 0
 
-    run(body)
+    run(body, model="x")
 
 
 def test_token_id_prompts_hit_the_prefix_cache() -> None:

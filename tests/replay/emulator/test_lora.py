@@ -1,0 +1,188 @@
+"""LoRA adapters and cache salts in the emulator, as vLLM 0.32 serves them: a request naming an
+adapter (or carrying a salt) is keyed and published in its own space (vLLM's hashes with the
+tagged extra keys, the events' ``lora_id`` / ``lora_name`` / untagged ``extra_keys``), an
+unknown model is a 404, ``/v1/models`` lists the adapters, ``vllm:lora_requests_info`` says
+which run; and a gateway told of the adapter learns its blocks from the events alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq.asyncio
+
+from config.settings import Settings
+from gateway.openai import COMPLETIONS
+from gateway.stack import StackSpec
+from replay.emulator import EmulatorConfig, RunningEmulator, start_emulator
+from replay.emulator.vllm_hashing import (
+    PLAIN,
+    BlockNamespace,
+    VllmBlockHashes,
+    block_digest,
+    external_hash,
+    none_hash,
+)
+from tests.gateway.live import live_stack
+from tests.replay.emulator.test_kv_events import recv, run_with_sub
+
+ADAPTER = BlockNamespace("tl", "/adapters/tl", 1)
+
+
+def test_adapter_and_salt_hashes_are_vllm_032s() -> None:
+    # Computed with vLLM 0.32's own kv_cache_utils (hash_block_tokens with
+    # generate_block_hash_extra_keys' tagged keys, maybe_convert_block_hash), block size 32.
+    lora = ADAPTER.hash_keys(0)
+    assert lora == (("lora", "tl", "/adapters/tl"),) and ADAPTER.hash_keys(5) == lora
+    h0 = block_digest(none_hash(), list(range(32)), lora)
+    h1 = block_digest(h0, list(range(32, 64)), ADAPTER.hash_keys(1))
+    assert [external_hash(h0), external_hash(h1)] == [17251163153420395987, 8919554377252686343]
+    salted = replace(ADAPTER, cache_salt="tenant-7")
+    assert external_hash(block_digest(none_hash(), list(range(32)), salted.hash_keys(0))) == (
+        17314083860881961311
+    )
+    # Events carry them untagged (to_event_extra_keys): the name, and the salt on block 0.
+    assert [salted.event_keys(0), salted.event_keys(1)] == [["tl", "tenant-7"], ["tl"]]
+    assert PLAIN.hash_keys(0) is None and PLAIN.event_keys(0) is None
+    # The chain keeps the space: a forgotten parent is rebuilt in it.
+    names = VllmBlockHashes(32)
+    _, digests = names.chain((1, 2), list(range(64)), None, space=ADAPTER)
+    assert digests == [h0, h1] and names.space_of([1, 2]) == ADAPTER
+    assert names.space_of([1, 99]) is None  # 99: a plain block (not held, but not one space)
+    fresh = VllmBlockHashes(32)
+    parent, (again,) = fresh.chain((2,), list(range(32, 64)), 1, list(range(64)), 1, ADAPTER)
+    assert parent == h0 and again == h1
+
+
+def adapter_config(**cfg: Any) -> dict[str, Any]:
+    return {"block_size": 32, "lora_adapters": (("tl", "/adapters/tl"),), **cfg}
+
+
+@pytest.mark.parametrize("fmt", ["array", "map"])
+def test_an_adapters_blocks_are_published_as_vllm_publishes_them(fmt: str) -> None:
+    prompt = list(range(70))  # two full 32-token blocks
+
+    async def body(emu: RunningEmulator, sub: zmq.asyncio.Socket, s: aiohttp.ClientSession) -> None:
+        req = {"model": "tl", "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-7"}
+        async with s.post(f"{emu.url}/v1/completions", json=req) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["model"] == "tl"
+        _, _, (event,) = await recv(sub)
+        if fmt == "array":  # the fields after medium, in vLLM's struct order
+            keys = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size"]
+            keys += ["lora_id", "medium", "lora_name", "extra_keys"]
+            event = dict(zip(keys, event, strict=True))
+        assert event["block_hashes"] == [17314083860881961311, _second_salted_block()]
+        assert event["token_ids"] == prompt[:64] and event["parent_block_hash"] is None
+        assert (event["lora_id"], event["lora_name"]) == (1, "tl")
+        assert event["extra_keys"] == [["tl", "tenant-7"], ["tl"]]
+
+    run_with_sub(fmt, body, **adapter_config())
+
+
+def _second_salted_block() -> int:
+    salted = replace(ADAPTER, cache_salt="tenant-7")
+    h0 = block_digest(none_hash(), list(range(32)), salted.hash_keys(0))
+    return external_hash(block_digest(h0, list(range(32, 64)), salted.hash_keys(1)))
+
+
+def test_models_lists_adapters_and_an_unknown_model_is_a_404() -> None:
+    async def main() -> None:
+        config = EmulatorConfig(time_scale=0.01, model="base", **adapter_config())
+        emu = await start_emulator(config)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{emu.url}/v1/models") as r:
+                    cards = (await r.json())["data"]
+                assert [(c["id"], c["parent"], c["root"]) for c in cards[1:]] == [
+                    ("tl", "base", "/adapters/tl")
+                ]
+                assert cards[0]["id"] == "base" and cards[0]["parent"] is None
+                # The same prompt under the adapter does not hit the base model's KV.
+                prompt = {"prompt": list(range(100)), "max_tokens": 1}
+                cached = []
+                for model in ("base", "tl", None, "tl"):
+                    req = prompt if model is None else {**prompt, "model": model}
+                    async with s.post(f"{emu.url}/v1/completions", json=req) as r:
+                        assert r.status == 200, await r.text()
+                        cached.append((await r.json())["usage"]["prompt_tokens_details"])
+                assert [c["cached_tokens"] for c in cached] == [0, 0, 96, 96]
+                req = {**prompt, "model": "nope"}
+                async with s.post(f"{emu.url}/v1/completions", json=req) as r:
+                    assert r.status == 404
+                    assert (await r.json())["error"] == {
+                        "message": "The model `nope` does not exist.",
+                        "type": "NotFoundError",
+                        "param": "model",
+                        "code": 404,
+                    }
+        finally:
+            await emu.stop()
+
+    asyncio.run(main())
+
+
+def test_lora_requests_info_names_the_running_adapter() -> None:
+    async def main() -> list[str]:
+        emu = await start_emulator(EmulatorConfig(time_scale=1.0, **adapter_config()))
+        try:
+            async with aiohttp.ClientSession() as s:
+                req = {"model": "tl", "prompt": [1] * 64, "max_tokens": 2000, "stream": True}
+                async with s.post(f"{emu.url}/v1/completions", json=req) as r:
+                    assert r.status == 200
+                    await r.content.readline()  # the first token: it runs
+                    running = await _lora_series(s, emu)
+                await asyncio.sleep(0.3)  # the client left: the engine dropped it
+                return [running, await _lora_series(s, emu)]
+        finally:
+            await emu.stop()
+
+    running, after = asyncio.run(main())
+    assert 'max_lora="1"' in running and 'running_lora_adapters="tl"' in running
+    assert 'running_lora_adapters=""' in after  # the newest series: nothing runs
+
+
+async def _lora_series(s: aiohttp.ClientSession, emu: RunningEmulator) -> str:
+    """The newest ``vllm:lora_requests_info`` series (the one with the latest time)."""
+    async with s.get(f"{emu.url}/metrics") as r:
+        text = await r.text()
+    series = re.findall(r"^(vllm:lora_requests_info\{[^}]*\}) (\S+)$", text, re.M)
+    assert series, text
+    return max(series, key=lambda kv: float(kv[1]))[0]
+
+
+def test_a_gateway_told_of_the_adapter_learns_its_blocks_from_the_events() -> None:
+    settings = Settings()
+    settings = replace(settings, routing=replace(settings.routing, lora_adapters=("tl",)))
+    spec = StackSpec(colocated=2, time_scale=0.01, base=settings)
+    with live_stack(spec) as stack:
+        gw = stack.gateway
+        body = {"prompt": "An adapter's long shared document about caches. " * 40}
+
+        def keys(model: str | None) -> tuple[int, ...]:
+            raw = json.dumps({**body, "model": model}).encode()
+            return gw.parse_prompt(COMPLETIONS, gw.parse_head(raw), {}, "p").info.block_hashes
+
+        adapter, base = keys("tl"), keys(None)
+        emu = stack.stack.emulators["c1"]
+
+        async def direct() -> None:  # not through kvgate: only the events can tell it
+            async with aiohttp.ClientSession() as s:
+                req = {**body, "model": "tl", "max_tokens": 1}
+                async with s.post(f"{emu.url}/v1/completions", json=req) as r:
+                    assert r.status == 200, await r.text()
+            for _ in range(100):
+                if all(gw.conductor.index.holds("c1", k) for k in adapter):
+                    return
+                await asyncio.sleep(0.05)
+
+        stack.run(direct())
+        held = stack.call(lambda: sum(gw.conductor.index.holds("c1", k) for k in adapter))
+        base_held = stack.call(lambda: sum(gw.conductor.index.holds("c1", k) for k in base))
+        assert len(adapter) > 20 and held == len(adapter)
+        assert base_held == 0 and not set(adapter) & set(base)
