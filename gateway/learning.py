@@ -3,8 +3,9 @@ each colocated instance's queue-wait correction (predictors/queue_scale.py, from
 whose predicted wait mattered; the Conductor's books then scale their waits by it).
 
 Observed prefill durations (when the instance had no queue, so the time is the prefill itself)
-are collected per profile; every ``refit_interval_s`` a refit runs in a worker thread (never on
-the event loop) and is swapped in atomically: the Conductor's instances get a new frozen
+are collected per profile; every ``refit_interval_s`` (and every FIRST_FIT_POLL_S until a
+profile's first refit) a refit runs in a worker thread (never on the event loop) and is swapped
+in atomically: the Conductor's instances get a new frozen
 ``InstancePredictors``. A refit needs ``min_new_samples`` observations since the last one. It
 trains on the observations plus the prior (the sweep of a profile measured by `kvgate profile`):
 with ``min_samples`` of them a LightGBM model, with fewer the analytic P5 form, whose three
@@ -15,6 +16,8 @@ observations and nothing else counted, so a short run never refit at all.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import statistics
 from collections import deque
 from collections.abc import Mapping
@@ -29,6 +32,11 @@ from predictors.queue_scale import QueueScale
 from predictors.samples import PrefillSamples
 from routing.conductor import Conductor
 from routing.types import Decision
+
+log = logging.getLogger("kvgate.gateway")
+
+# Until a profile's first refit, how often the refit loop looks for enough observations.
+FIRST_FIT_POLL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -197,6 +205,12 @@ class Learner:
         if q.observe(d.predicted_queue_s, d.predicted_ttft_s, waited):
             self.conductor.set_queue_scale(d.prefill, q.scale)
 
+    def first_fit_pending(self) -> bool:
+        """Nothing refit yet, or a profile observed that has never been: its predictions are
+        still the profile's as given, perhaps another engine's (a shipped GPU profile in
+        front of a CPU engine predicts prefills 5-25x too fast)."""
+        return not self._used or any(p not in self._used for p in self._samples)
+
     def training_set(self, profile: str | None) -> PrefillSamples | None:
         """Prior + observations for ``profile`` when a refit is due, else None."""
         s = self._samples.get(profile)
@@ -242,6 +256,22 @@ class Learner:
             self.refits += 1
             swapped += 1
         return swapped
+
+
+async def refit_loop(learner: Learner, interval_s: float, stop: asyncio.Event) -> None:
+    """Refits every ``interval_s`` until ``stop``; until each profile's first refit, every
+    FIRST_FIT_POLL_S (when shorter): waiting a whole interval for it would leave the first
+    minute's placements on a profile that may be another engine's."""
+    while not stop.is_set():
+        wait = min(interval_s, FIRST_FIT_POLL_S) if learner.first_fit_pending() else interval_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait)
+        if stop.is_set():
+            break
+        try:
+            await learner.refit()
+        except Exception:  # a failed refit keeps the old model
+            log.exception("prefill model refit failed")
 
 
 def fit_analytic_prefill(samples: PrefillSamples) -> tuple[AnalyticPrefill, float]:

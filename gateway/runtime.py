@@ -37,7 +37,7 @@ from gateway.capacity_loop import CapacitySignal
 from gateway.decode_waits import DecodeWaits
 from gateway.drain import Drain
 from gateway.kv_feeds import KvEventFeeds
-from gateway.learning import Learner
+from gateway.learning import Learner, refit_loop
 from gateway.leg_health import LegHealth
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, ServedModels, adapter_routes, build_model_routes
@@ -319,7 +319,8 @@ class Gateway:
         self._tasks.append(asyncio.create_task(health.run(self._stop)))
         self._tasks.append(asyncio.create_task(self._scrape_loop()))
         if srv.refit_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._refit_loop()))
+            refits = refit_loop(self.learner, srv.refit_interval_s, self._stop)
+            self._tasks.append(asyncio.create_task(refits))
         for spec in self.specs.values():
             if spec.kv_events_endpoint:
                 self._tasks.append(self.kv_feeds.subscribe(spec, self._stop))
@@ -376,18 +377,6 @@ class Gateway:
         self.metrics.decode_queue.labels("admitted").set(queue.admitted)
         self.metrics.decode_queue.labels("expired").set(queue.expired)
         self.capacity.update(now)
-
-    async def _refit_loop(self) -> None:
-        interval = self.settings.server.refit_interval_s
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), interval)
-            if self._stop.is_set():
-                break
-            try:
-                await self.learner.refit()
-            except Exception:  # a failed refit keeps the old model
-                log.exception("prefill model refit failed")
 
     async def shutdown(self) -> None:
         self._stop.set()

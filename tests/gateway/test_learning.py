@@ -9,7 +9,7 @@ import pytest
 
 from backends.profile_file import write_profile_file
 from config.loader import settings_from_dict
-from gateway.learning import DecisionRecord, Learner
+from gateway.learning import FIRST_FIT_POLL_S, DecisionRecord, Learner, refit_loop
 from gateway.runtime import Gateway
 from predictors.calibration import SweepSample, fit_profile
 from predictors.prefill import AnalyticPrefill
@@ -187,3 +187,26 @@ def test_disaggregated_answers_and_a_zero_rate_leave_the_books_alone() -> None:
         learner.observe_answer(d, rec, None)
         assert conductor.instances["e0"].queue_scale == 1.0
         assert learner.accuracy()["queue_scales"] == {}
+
+
+def test_the_first_refit_comes_once_there_are_samples_not_an_interval_later() -> None:
+    learner = Learner(Conductor(settings()), 100, 200, min_new_samples=5)
+    assert learner.first_fit_pending()  # nothing observed yet
+
+    async def main() -> tuple[int, int]:
+        stop = asyncio.Event()
+        task = asyncio.create_task(refit_loop(learner, 60.0, stop))
+        observe(learner, 5, scale=3.0)
+        for _ in range(100):  # the first refit: after FIRST_FIT_POLL_S, not 60 s
+            if learner.refits:
+                break
+            await asyncio.sleep(0.05)
+        first = learner.refits
+        observe(learner, 5, scale=3.0)  # enough for a second refit, due only in 60 s
+        await asyncio.sleep(FIRST_FIT_POLL_S + 0.5)
+        stop.set()
+        await asyncio.wait_for(task, 1)
+        return first, learner.refits
+
+    first, later = asyncio.run(main())
+    assert (first, later) == (1, 1) and not learner.first_fit_pending()
