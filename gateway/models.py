@@ -18,7 +18,8 @@ import aiohttp
 
 from backends.engine_models import fetch_served_models
 from backends.model_files import make_prompt_encoder
-from config.settings import ModelSettings, Settings
+from config.model_settings import ModelSettings
+from config.settings import Settings
 from routing.hashing import BlockHasher
 from routing.prompt_encoder import PromptEncoder
 
