@@ -2,7 +2,8 @@
 adapter (or carrying a salt) is keyed and published in its own space (vLLM's hashes with the
 tagged extra keys, the events' ``lora_id`` / ``lora_name`` / untagged ``extra_keys``), an
 unknown model is a 404, ``/v1/models`` lists the adapters, ``vllm:lora_requests_info`` says
-which run; and a gateway told of the adapter learns its blocks from the events alone."""
+which run, a copied prefix keeps its space; and a gateway told of the adapter learns its
+blocks from the events alone."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from replay.emulator.vllm_hashing import (
     external_hash,
     none_hash,
 )
+from routing.hashing import BlockHasher
+from routing.tokenizer import pack_token_ids
 from tests.gateway.live import live_stack
 from tests.replay.emulator.test_kv_events import recv, run_with_sub
 
@@ -186,3 +189,31 @@ def test_a_gateway_told_of_the_adapter_learns_its_blocks_from_the_events() -> No
         base_held = stack.call(lambda: sum(gw.conductor.index.holds("c1", k) for k in base))
         assert len(adapter) > 20 and held == len(adapter)
         assert base_held == 0 and not set(adapter) & set(base)
+
+
+def test_a_copied_adapter_prefix_keeps_its_space_in_the_events() -> None:
+    prompt = list(range(64))  # two 32-token blocks
+    hasher = BlockHasher(32)
+    keys = hasher.hash_packed(pack_token_ids(prompt), hasher.namespace_root("tl", None))
+    h0 = block_digest(none_hash(), prompt[:32], ADAPTER.hash_keys(0))
+    h1 = block_digest(h0, prompt[32:], ADAPTER.hash_keys(1))
+
+    async def body(emu: RunningEmulator, sub: zmq.asyncio.Socket, s: aiohttp.ClientSession) -> None:
+        config = EmulatorConfig(time_scale=0.01, kv_events_port=0, **adapter_config())
+        src = await start_emulator(config)  # its events book knows the tokens
+        try:
+            req = {"model": "tl", "prompt": prompt, "max_tokens": 1}
+            async with s.post(f"{src.url}/v1/completions", json=req) as r:
+                assert r.status == 200
+            fetch = {"source_url": src.url, "block_hashes": list(keys)}
+            async with s.post(f"{emu.url}/internal/kv/fetch", json=fetch) as r:
+                assert r.status == 200
+            _, _, (event,) = await recv(sub)
+        finally:
+            await src.stop()
+        # As if the destination had run the adapter's request itself.
+        assert event["block_hashes"] == [external_hash(h0), external_hash(h1)]
+        assert (event["lora_id"], event["lora_name"]) == (1, "tl")
+        assert event["extra_keys"] == [["tl"], ["tl"]] and event["token_ids"] == prompt
+
+    run_with_sub("map", body, **adapter_config())

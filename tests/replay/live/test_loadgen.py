@@ -54,3 +54,30 @@ def test_every_request_is_measured_and_progress_moves_while_sending() -> None:
     assert [c[:2] for c in calls] == [(k, 6) for k in range(1, 7)]
     # the first answer is counted long before the last request (at 0.5 s) is sent
     assert calls[0][2] < 0.4, calls
+
+
+def test_the_model_field_is_sent_only_when_given() -> None:
+    """A made-up name would be a 404 at a real engine: none by default (the engine's own model),
+    the given one with ``--model``."""
+    trace = [TraceRequest(0, 0.0, 16, 1, (0,))]
+
+    async def models_sent(model: str | None) -> list[object]:
+        seen: list[object] = []
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            seen.append((await request.json()).get("model", "<none>"))
+            return await _completions(request)
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            url = str(server.make_url("")).rstrip("/")
+            await run_load(trace, LoadOptions(url, model=model, timeout_s=10))
+        finally:
+            await server.close()
+        return seen
+
+    assert asyncio.run(models_sent(None)) == ["<none>"]
+    assert asyncio.run(models_sent("tiny")) == ["tiny"]
