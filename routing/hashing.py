@@ -78,10 +78,11 @@ class BlockHasher:
         n = token_ids if isinstance(token_ids, int) else len(token_ids)
         return n // self._block_size
 
-    def hash_tokens(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        """One hash per full block, in order; ``()`` for fewer than ``block_size`` tokens."""
+    def hash_tokens(self, token_ids: Sequence[int], root: bytes = _ROOT) -> tuple[int, ...]:
+        """One hash per full block, in order; ``()`` for fewer than ``block_size`` tokens.
+        ``root``: as for ``hash_packed``."""
         n = self.num_blocks(token_ids) * self._block_size
-        return self.hash_packed(pack_token_ids(token_ids[:n])) if n else ()
+        return self.hash_packed(pack_token_ids(token_ids[:n]), root) if n else ()
 
     def hash_packed(self, data: bytes, root: bytes = _ROOT) -> tuple[int, ...]:
         """``hash_tokens`` of token ids packed as little-endian uint32 (``pack_token_ids``).

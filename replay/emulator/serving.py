@@ -46,7 +46,6 @@ from replay.emulator.responses_shapes import ResponsesShaper, responses_usage
 from replay.emulator.runtime import Kind, Refused, RequestStream
 from replay.emulator.state import EmulatorState
 from replay.emulator.vllm_hashing import PLAIN, BlockNamespace
-from routing.tokenizer import pack_token_ids
 
 STATE_KEY: web.AppKey[EmulatorState] = web.AppKey("emulator_state", EmulatorState)
 
@@ -108,7 +107,10 @@ class RequestRun:
         if space.lora_name is not None:  # in the engine from here on, as vLLM counts it
             st.adapter_of[self.iid] = space.lora_name
         if self.leg is not Leg.DECODE:
-            hashes = _block_keys(st, req.token_ids, space)
+            # kvgate's own keys, in the request's space as a gateway keys it (plain: the
+            # ordinary root), so that both agree on what an adapter's or a salted prompt is.
+            root = st.hasher.namespace_root(space.lora_name, space.cache_salt)
+            hashes = st.hasher.hash_tokens(req.token_ids, root)
             self.stream = self._submit(
                 lambda: st.runtime.submit_prefill(
                     self.iid, hashes, self.prompt_tokens, self.target, req.token_ids, space
@@ -219,19 +221,6 @@ def request_space(state: EmulatorState, req: ParsedRequest) -> BlockNamespace:
     if adapter is None and req.cache_salt is None:
         return PLAIN
     return replace(adapter or PLAIN, cache_salt=req.cache_salt)
-
-
-def _block_keys(
-    state: EmulatorState, token_ids: list[int], space: BlockNamespace
-) -> tuple[int, ...]:
-    """The engine model's block keys: kvgate's own hashing, in the request's namespace the
-    way a gateway keys it, so that both agree on what an adapter's or a salted prompt is."""
-    hasher = state.hasher
-    if space == PLAIN:
-        return hasher.hash_tokens(token_ids)
-    n = hasher.num_blocks(token_ids) * hasher.block_size
-    root = hasher.namespace_root(space.lora_name, space.cache_salt)
-    return hasher.hash_packed(pack_token_ids(token_ids[:n]), root) if n else ()
 
 
 def _refusal_message(state: EmulatorState, reason: str) -> str:

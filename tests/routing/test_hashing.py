@@ -271,3 +271,5 @@ def test_namespace_roots_separate_hash_spaces() -> None:
     assert h.continue_chain(roots[("a", None)], packed)[0] == h.hash_packed(
         packed, root=roots[("a", None)]
     )
+    for r in roots.values():  # token ids (a partial block dropped) hash the same way
+        assert h.hash_tokens([*range(8), 99], r) == h.hash_packed(packed, root=r)

@@ -30,7 +30,6 @@ from replay.emulator.vllm_hashing import (
     none_hash,
 )
 from routing.hashing import BlockHasher
-from routing.tokenizer import pack_token_ids
 from tests.gateway.live import live_stack
 from tests.replay.emulator.test_kv_events import recv, run_with_sub
 
@@ -194,7 +193,7 @@ def test_a_gateway_told_of_the_adapter_learns_its_blocks_from_the_events() -> No
 def test_a_copied_adapter_prefix_keeps_its_space_in_the_events() -> None:
     prompt = list(range(64))  # two 32-token blocks
     hasher = BlockHasher(32)
-    keys = hasher.hash_packed(pack_token_ids(prompt), hasher.namespace_root("tl", None))
+    keys = hasher.hash_tokens(prompt, hasher.namespace_root("tl", None))
     h0 = block_digest(none_hash(), prompt[:32], ADAPTER.hash_keys(0))
     h1 = block_digest(h0, prompt[32:], ADAPTER.hash_keys(1))
 
