@@ -6,10 +6,22 @@ adapter that is not among those running waits ("deferred" in
 finished and a slot frees, however idle the engine is otherwise; nothing in its queue or KV
 state shows that wait to a TTFT prediction. So, as llm-d's LoRA affinity does, an adapter's
 request is placed among the instances that can run it now: those where the adapter is active
-(kvgate's own requests in flight there, or the engine's ``running_lora_adapters``) and those
-with a free adapter slot. Where no instance can, every instance is a candidate and placement
-decides as for any request. Instances whose slot count is unknown (no LoRA metrics) count as
-free. Pure: the engine's state comes in from the gateway's scrapes (``engine_state``).
+(the engine's ``running_lora_adapters``, or kvgate's own requests in flight there while they
+leave a slot for every adapter) and those with a free adapter slot. Where no instance can,
+every instance is a candidate and placement decides as for any request. Instances whose slot
+count is unknown (no LoRA metrics) count as free. Pure: the engine's state comes in from the
+gateway's scrapes (``engine_state``).
+
+vLLM 0.32 lists an adapter only once one of its requests has produced output (in both labels
+of ``lora_requests_info``), so a request waiting for a slot shows in
+``num_requests_waiting_by_reason{reason="deferred"}``, not in the list: kvgate's own requests
+there stand for it.
+
+Starvation: vLLM gives a waiting adapter a slot only once every request of a running one has
+left, so a running adapter that keeps receiving requests would hold its slot forever. Where
+kvgate's own requests hold more adapters than the engine has slots (one of them waits), the
+running adapters get no more requests while another instance can take them: the waiting
+adapter waits at most for the requests already running there.
 """
 
 from __future__ import annotations
@@ -77,7 +89,10 @@ class LoraAffinity:
             if engine is not None:
                 own = self._own.get(inst.id)
                 on = engine.running.union(own) if own else engine.running
-                if lora not in on and len(on) >= engine.max_loras:
-                    continue
+                if lora in engine.running:  # it runs there, but keeps a waiting adapter out
+                    if len(on) > engine.max_loras:
+                        continue
+                elif len(on) + (lora not in on) > engine.max_loras:
+                    continue  # it needs a slot of its own among those on it
             ready.append(inst)
         return ready or pool

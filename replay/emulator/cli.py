@@ -76,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as vLLM hashes it; no weights are read)",
     )
     parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="LoRA adapters one batch runs at once, as vLLM's --max-loras (default 1); a "
+        "request for another adapter waits until a running adapter's requests have left",
+    )
+    parser.add_argument(
         "--bootstrap-port",
         type=int,
         default=None,
@@ -101,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         model_dir=args.model_dir,
         bootstrap_port=args.bootstrap_port,
         lora_adapters=tuple(_lora_module(m) for m in args.lora_modules),
+        max_loras=args.max_loras,
     )
 
 

@@ -52,6 +52,9 @@ class EmulatorConfig:
     # LoRA adapters served, ``(name, path)`` as vLLM's ``--lora-modules name=path``: a request
     # naming one is keyed and published in the adapter's space (vLLM hashes the path too).
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    # Adapters one batch runs at once (vLLM's --max-loras, default 1): a request for another
+    # waits until a running adapter's last request has left. Adapter loads are not timed.
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         # argparse and TOML hand strings over; accept them for the enums.
@@ -76,8 +79,8 @@ class EmulatorConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535]")
-        if self.default_max_tokens < 1 or self.max_inflight < 1:
-            raise ValueError("default_max_tokens and max_inflight must be >= 1")
+        if self.default_max_tokens < 1 or self.max_inflight < 1 or self.max_loras < 1:
+            raise ValueError("default_max_tokens, max_inflight and max_loras must be >= 1")
         names = [name for name, _ in self.lora_adapters]
         if any(not name for name in names) or len(set(names)) != len(names):
             raise ValueError("LoRA adapter names must be non-empty and unique")

@@ -30,8 +30,10 @@ class EngineLoad:
     running: int
     waiting: int
     kv_usage: float  # 0..1
-    running_adapters: tuple[str, ...] = ()  # LoRA adapters of running / waiting requests
-    waiting_adapters: tuple[str, ...] = ()
+    deferred: int = 0  # waiting requests whose LoRA adapter has no free slot
+    # LoRA adapters with a request that has produced output: vLLM 0.32 puts these same names
+    # in both labels of lora_requests_info (running and waiting).
+    adapters_listed: tuple[str, ...] = ()
 
 
 class EmulatorMetrics:
@@ -51,6 +53,14 @@ class EmulatorMetrics:
             "vllm:num_requests_running", "Requests in the batch", names, registry=reg
         )
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=reg)
+        self.waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+            "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            [*names, "reason"],
+            registry=reg,
+        )
         self.kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "KV cache usage, 0..1", names, registry=reg
         )
@@ -140,10 +150,12 @@ class EmulatorMetrics:
     def render(self, load: EngineLoad) -> bytes:
         self.running.labels(*self._labels).set(load.running)
         self.waiting.labels(*self._labels).set(load.waiting)
+        self.waiting_by_reason.labels(*self._labels, "capacity").set(load.waiting - load.deferred)
+        self.waiting_by_reason.labels(*self._labels, "deferred").set(load.deferred)
         self.kv_usage.labels(*self._labels).set(load.kv_usage)
         if self._lora is not None:
-            waiting, running_lora = ",".join(load.waiting_adapters), ",".join(load.running_adapters)
-            self._lora.labels(str(self._max_loras), waiting, running_lora).set_to_current_time()
+            listed = ",".join(load.adapters_listed)
+            self._lora.labels(str(self._max_loras), listed, listed).set_to_current_time()
         if self._sglang is not None:
             running, queue, usage, hit_rate = self._sglang
             model = self._labels[0]

@@ -153,16 +153,19 @@ class EngineRuntime:
         )
         self._streams[request_id] = stream
         job = PrefillJob(request_id, block_hashes, prompt_tokens, output_tokens, self.block_size)
+        job.adapter = space.lora_name  # its adapter needs a slot (max_adapters)
         self.engine.submit_prefill(job, self.now())
         self._kick()
         return stream
 
-    def submit_decode(self, request_id: str, prompt_tokens: int, remaining: int) -> RequestStream:
-        """Join the decode batch with ``remaining`` tokens to make; raises Refused."""
+    def submit_decode(
+        self, request_id: str, prompt_tokens: int, remaining: int, adapter: str | None = None
+    ) -> RequestStream:
+        """Join the decode batch with ``remaining`` tokens to make (under LoRA ``adapter``,
+        once it has a slot); raises Refused."""
         self._check_room(request_id)
-        reason = self.engine.submit_decode(
-            DecodeSeq(request_id, prompt_tokens, remaining), self.now()
-        )
+        seq = DecodeSeq(request_id, prompt_tokens, remaining, adapter=adapter)
+        reason = self.engine.submit_decode(seq, self.now())
         if reason is not None:
             raise Refused(reason)
         stream = RequestStream(request_id, prompt_tokens, remaining)

@@ -89,6 +89,7 @@ class RequestRun:
         self.generated = 0
         self.stream: RequestStream | None = None
         self.carried_first = False  # SGLang decode leg: the prefill's token, sent at the join
+        self.adapter: str | None = None  # the LoRA adapter it runs under
         self.kv_params: dict[str, Any] | None = None  # vLLM prefill leg's answer
         self.finished = False
         self.arrival = asyncio.get_running_loop().time()
@@ -104,8 +105,7 @@ class RequestRun:
                 f"the maximum model length {st.max_model_len}",
                 "max_tokens",
             )
-        if space.lora_name is not None:  # in the engine from here on, as vLLM counts it
-            st.adapter_of[self.iid] = space.lora_name
+        self.adapter = space.lora_name
         if self.leg is not Leg.DECODE:
             # kvgate's own keys, in the request's space as a gateway keys it (plain: the
             # ordinary root), so that both agree on what an adapter's or a salted prompt is.
@@ -132,7 +132,9 @@ class RequestRun:
         decode = self.target - 1 if self.carried_first else self.target
         if decode > 0:
             self.stream = self._submit(
-                lambda: st.runtime.submit_decode(self.iid, self.prompt_tokens, decode)
+                lambda: st.runtime.submit_decode(
+                    self.iid, self.prompt_tokens, decode, space.lora_name
+                )
             )
 
     def _submit(self, submit: Callable[[], RequestStream]) -> RequestStream:
@@ -191,6 +193,8 @@ class RequestRun:
         now = asyncio.get_running_loop().time()
         if self._last is None:
             self.state.metrics.first_token(now - self.arrival)
+            if self.adapter is not None:  # vLLM's LoRA stats see a request at its first output
+                self.state.adapter_entered(self.iid, self.adapter)
             self.state.metrics.tokens(n, None)
         else:
             self.state.metrics.tokens(n, now - self._last)
@@ -199,7 +203,7 @@ class RequestRun:
 
     def close(self) -> None:
         """Always called: an unfinished request was abandoned by its client."""
-        self.state.adapter_of.pop(self.iid, None)
+        self.state.adapter_left(self.iid)
         if self.finished:
             return
         self.finished = True

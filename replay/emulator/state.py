@@ -39,10 +39,14 @@ class EmulatorState:
     session: aiohttp.ClientSession | None = None  # outbound: KV pulls and bootstrap polls
     port: int = 0
     responses: StoredResponses = field(default_factory=StoredResponses)  # /v1/responses made
-    # LoRA adapters served (vLLM's --lora-modules), by name, and the adapter of each request
-    # in the engine (for vllm:lora_requests_info).
+    # LoRA adapters served (vLLM's --lora-modules), by name; the adapter of each request that
+    # has produced output, and per adapter its requests, in the order vLLM's LoRARequestStates
+    # keeps them: vLLM learns of a request's QUEUED and SCHEDULED events with its first output,
+    # so an adapter is listed from then until its last request leaves; one waiting for a slot
+    # is not listed (it counts under waiting_by_reason "deferred").
     adapters: dict[str, BlockNamespace] = field(default_factory=dict)
     adapter_of: dict[str, str] = field(default_factory=dict)
+    adapter_requests: dict[str, int] = field(default_factory=dict)
     _next_block_id: int = 0
 
     @property
@@ -56,6 +60,18 @@ class EmulatorState:
         self._next_block_id += n
         return list(range(start, start + n))
 
+    def adapter_entered(self, request_id: str, adapter: str) -> None:
+        self.adapter_of[request_id] = adapter
+        self.adapter_requests[adapter] = self.adapter_requests.get(adapter, 0) + 1
+
+    def adapter_left(self, request_id: str) -> None:
+        adapter = self.adapter_of.pop(request_id, None)
+        if adapter is None:
+            return
+        self.adapter_requests[adapter] -= 1
+        if self.adapter_requests[adapter] <= 0:
+            del self.adapter_requests[adapter]
+
     def load(self) -> EngineLoad:
         engine = self.engine
         # vLLM counts a request as running once it is scheduled, prefill chunks included.
@@ -68,18 +84,15 @@ class EmulatorState:
             + self.pinned.tokens
             + self.rooms.pinned_tokens
         )
-        load = EngineLoad(running, waiting, min(used / engine.kv_capacity_tokens, 1.0))
+        load = EngineLoad(
+            running,
+            waiting,
+            min(used / engine.kv_capacity_tokens, 1.0),
+            deferred=engine.waiting_for_slot(),
+        )
         if not self.adapters:
             return load
-        # vLLM's scheduler stats: an adapter runs if a scheduled request uses it, waits if a
-        # queued one does (dict keys: first seen first, as vLLM joins them).
-        queued = {j.request_id for j in engine.queue if j.started_s is None}
-        queued.update(s.request_id for s in engine.joining)
-        running: dict[str, None] = {}
-        waiting: dict[str, None] = {}
-        for rid, name in self.adapter_of.items():
-            (waiting if rid in queued else running)[name] = None
-        return replace(load, running_adapters=tuple(running), waiting_adapters=tuple(waiting))
+        return replace(load, adapters_listed=tuple(self.adapter_requests))
 
     def reset_prefix_cache(self) -> None:
         """Empty the prefix cache (vLLM's /reset_prefix_cache) and tell subscribers."""
@@ -120,6 +133,7 @@ def build_state(config: EmulatorConfig) -> EmulatorState:
         chunk_tokens=chunk,
         decode_tbt_limit_s=tbt,
         max_segment_steps=1,  # one event per step: tokens stream as they are made
+        max_adapters=config.max_loras if config.lora_adapters else None,
     )
     runtime = EngineRuntime(
         engine, config.time_scale, config.block_size, max_inflight=config.max_inflight
@@ -139,8 +153,7 @@ def build_state(config: EmulatorConfig) -> EmulatorState:
             sglang=config.protocol.value == "sglang",
             block_size=config.block_size,
             num_gpu_blocks=profile.kv_capacity_tokens // config.block_size,
-            # No adapter slots are modelled: every adapter can run at once.
-            max_loras=len(adapters) if adapters else None,
+            max_loras=config.max_loras if adapters else None,
         ),
         prompt_encoder=_prompt_encoder(config),
         hasher=BlockHasher(config.block_size, config.hash_seed),

@@ -9,6 +9,11 @@ decode costs one event, not one per token.
 The model is pure: the caller (simulator or emulator) asks ``next_event_s()`` and calls
 ``advance(t)`` at that time; submissions between events cut the current segment at the next
 step boundary, where the newcomer joins (continuous batching).
+
+With ``max_adapters`` (vLLM's ``--max-loras``) a batch runs at most that many distinct LoRA
+adapters: a waiting request for another adapter is skipped, not queued behind (vLLM's
+scheduler defers it and takes the requests after it), until every request of a running
+adapter has left the batch.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class PrefillJob:
     cached_tokens: int = -1  # known when the job starts
     done: int = 0  # new tokens processed so far
     started_s: float | None = None
+    adapter: str | None = None  # the LoRA adapter it runs under
 
     @property
     def new_tokens(self) -> int:
@@ -48,6 +54,10 @@ class DecodeSeq:
     # here on, not from the KV's arrival (vLLM recomputes the last prompt token in this
     # step; SGLang's decode emits the prefill's token at this scheduler pass).
     joined_s: float | None = None
+    adapter: str | None = None  # the LoRA adapter it runs under
+    # A colocated request's decode: it ran its prefill in this batch, so its adapter already
+    # holds a slot (vLLM keeps it in the running set); a P/D decode leg must get one.
+    admitted: bool = False
 
     @property
     def context(self) -> int:
@@ -93,7 +103,10 @@ class Engine:
         chunk_tokens: int | None = None,
         decode_tbt_limit_s: float | None = None,
         max_segment_steps: int | None = None,
+        max_adapters: int | None = None,
     ) -> None:
+        if max_adapters is not None and max_adapters < 1:
+            raise ValueError("max_adapters must be >= 1")
         self.id = instance_id
         self.role = role
         self.timing = timing
@@ -105,6 +118,7 @@ class Engine:
         # The emulator streams tokens as they are made, so it plans one step at a time (1);
         # the simulator skips ahead to the next change (None).
         self.max_segment_steps = max_segment_steps
+        self.max_adapters = max_adapters
         self.queue: deque[PrefillJob] = deque()
         self.running: dict[str, DecodeSeq] = {}
         self.joining: deque[DecodeSeq] = deque()
@@ -121,6 +135,34 @@ class Engine:
     @property
     def batch(self) -> int:
         return len(self.running)
+
+    def adapters_in_use(self) -> set[str]:
+        """The LoRA adapters holding a slot: those of the batch's decodes, of prefills it has
+        started, and of colocated decodes about to join (vLLM's ``scheduled_loras``)."""
+        used = {s.adapter for s in self.running.values() if s.adapter is not None}
+        used.update(j.adapter for j in self.queue if j.started_s is not None and j.adapter)
+        used.update(s.adapter for s in self.joining if s.admitted and s.adapter is not None)
+        return used
+
+    def waiting_for_slot(self) -> int:
+        """Waiting requests whose adapter finds no free slot now (vLLM counts them under
+        ``num_requests_waiting_by_reason{reason="deferred"}``)."""
+        if self.max_adapters is None:
+            return 0
+        in_use = self.adapters_in_use()
+        queued = [j.adapter for j in self.queue if j.started_s is None]
+        queued += [s.adapter for s in self.joining if not s.admitted]
+        return sum(self._must_wait(adapter, in_use) for adapter in queued)
+
+    def _must_wait(self, adapter: str | None, in_use: set[str]) -> bool:
+        """Whether work of ``adapter`` must wait for a slot; if it need not, its adapter
+        joins ``in_use`` (it takes the slot)."""
+        if adapter is None or self.max_adapters is None or adapter in in_use:
+            return False
+        if len(in_use) >= self.max_adapters:
+            return True
+        in_use.add(adapter)
+        return False
 
     def step_time_now(self) -> float:
         return self.timing.step(self.batch, 0.0, self.context_tokens) if self.running else 0.0
@@ -168,17 +210,24 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def _replan(self) -> None:
         t = self.clock_s
+        in_use = self.adapters_in_use() if self.max_adapters is not None else set()
+        waiting: deque[DecodeSeq] = deque()
         while self.joining and len(self.running) < self.max_batch:
             seq = self.joining.popleft()
+            if not seq.admitted and self._must_wait(seq.adapter, in_use):
+                waiting.append(seq)  # FCFS among the rest: it keeps its place
+                continue
             seq.joined_s = t
             self.running[seq.request_id] = seq
             self.context_tokens += seq.context
+        waiting.extend(self.joining)
+        self.joining = waiting
         batch, ctx = len(self.running), self.context_tokens
-        if self.queue:
-            chunks, tokens, attn = self._allocate(batch, t)
+        chunks, tokens, attn = self._allocate(batch, t, in_use) if self.queue else ([], 0, 0.0)
+        if chunks:
             dt = self.timing.step(tokens + batch, attn, ctx)
             self._plan = _Plan(t + dt, 1, chunks, t, batch, ctx)
-        elif self.running:
+        elif self.running:  # decodes only (queued prefills, if any, wait for a slot)
             steps = min(s.remaining for s in self.running.values())
             if self.max_segment_steps is not None:
                 steps = min(steps, self.max_segment_steps)
@@ -187,13 +236,18 @@ class Engine:
         else:
             self._plan = None
 
-    def _allocate(self, batch: int, now: float) -> tuple[list[tuple[PrefillJob, int]], int, float]:
-        """Prefill tokens for this step: FCFS chunks within the token budget."""
+    def _allocate(
+        self, batch: int, now: float, in_use: set[str]
+    ) -> tuple[list[tuple[PrefillJob, int]], int, float]:
+        """Prefill tokens for this step: FCFS chunks within the token budget, skipping jobs
+        whose adapter finds no free slot."""
         budget = None if self.chunk_tokens is None else max(self.chunk_tokens - batch, 1)
         chunks: list[tuple[PrefillJob, int]] = []
         tokens, attn = 0, 0.0
         for job in self.queue:
             if job.started_s is None:
+                if self._must_wait(job.adapter, in_use):
+                    continue
                 self._start(job, now)
             left = job.new_tokens - job.done
             n = left if budget is None else min(left, budget - tokens)
@@ -242,6 +296,7 @@ class Engine:
         if self.role is Role.BOTH and job.output_tokens > 1:
             # Colocated: the first token came from the prefill; decode here from now on.
             seq = DecodeSeq(job.request_id, job.prompt_tokens, job.output_tokens - 1)
+            seq.adapter, seq.admitted = job.adapter, True
             self.reserved_tokens += job.prompt_tokens + seq.remaining
             self.joining.append(seq)
 

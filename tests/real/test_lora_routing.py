@@ -340,3 +340,80 @@ def test_the_emulator_publishes_an_adapters_blocks_as_vllm_does(
     assert len(real["hashes"]) >= 10 and real["parent"] is None
     assert real["extra_keys"][:2] == [(ADAPTER, "tenant-7"), (ADAPTER,)]
     assert ours == real
+
+
+async def _slot_wait(url: str, model: str) -> dict[str, Any]:
+    """Adapter tl's long answer decoding on one engine, then a short request of adapter sql
+    to the same engine: when its first token came against when tl's answer ended, and what
+    /metrics said while it waited."""
+    loop = asyncio.get_running_loop()
+
+    def body(adapter: str, tokens: int) -> dict[str, Any]:
+        prompt = f"{adapter} {uuid.uuid4().hex} " + DOC[:200]
+        return {"model": adapter, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+
+    async with aiohttp.ClientSession() as s:
+
+        async def first_token_at() -> float:
+            async with s.post(url + COMPLETIONS, json={**body("sql", 2), "stream": True}) as r:
+                assert r.status == 200, await r.text()
+                await r.content.readline()
+                at = loop.time()
+                await r.read()
+                return at
+
+        seen: dict[str, Any] = {}
+        async with s.post(url + COMPLETIONS, json={**body("tl", 300), "stream": True}) as long:
+            assert long.status == 200, await long.text()
+            await long.content.readline()  # tl runs
+            other = asyncio.create_task(first_token_at())
+            sent = loop.time()
+            await asyncio.sleep(0.3)
+            async with s.get(url + "/metrics") as r:
+                page = await r.text()
+            series = re.findall(r"^(vllm:lora_requests_info\{[^}]*\}) (\S+)$", page, re.M)
+            seen["series"] = max(series, key=lambda kv: float(kv[1]))[0] if series else None
+            found = re.search(r'waiting_by_reason\{[^}]*reason="deferred"[^}]*\} (\S+)', page)
+            seen["deferred"] = float(found.group(1)) if found else None
+            await long.read()
+            done = loop.time()
+        first = await other
+    seen["long after other sent s"] = round(done - sent, 3)
+    seen["other first - long done s"] = round(first - done, 3)
+    return seen
+
+
+def test_a_second_adapter_waits_for_the_slot_as_on_vllm_and_the_emulator_says_so_alike(
+    vllm_pair: list[EngineProcess], adapter_dirs: dict[str, Path]
+) -> None:
+    """vLLM --max-loras 1: a request for adapter sql sent while tl's long answer decodes waits
+    for that answer to end (the engine is otherwise idle), ``num_requests_waiting_by_reason``
+    counts it "deferred", and ``lora_requests_info`` lists only tl, in both labels (vLLM 0.32
+    hears of a request's queueing with its first output, so a request waiting for a slot is
+    not listed). The emulator, with the same adapters and one slot, does and says the same."""
+    engine = vllm_pair[1]
+
+    async def main() -> dict[str, dict[str, Any]]:
+        real = await _slot_wait(engine.url, engine.model)
+        config = EmulatorConfig(
+            time_scale=1.0,
+            block_size=16,
+            model=engine.model,
+            lora_adapters=tuple((name, str(path)) for name, path in adapter_dirs.items()),
+            max_loras=1,
+        )
+        emu = await start_emulator(config)
+        try:
+            emulated = await _slot_wait(emu.url, engine.model)
+        finally:
+            await emu.stop()
+        return {"vllm": real, "emulator": emulated}
+
+    seen = asyncio.run(asyncio.wait_for(main(), timeout=180))
+    print("\nanother adapter's request behind a one-slot engine:", seen)
+    for name, s in seen.items():
+        assert s["long after other sent s"] > 0.3, (name, s)  # it had something to wait for
+        assert s["other first - long done s"] > -0.1, (name, s)  # and it did wait
+        assert s["deferred"] == 1, (name, s)
+        assert s["series"] is not None and 'running_lora_adapters="tl"' in s["series"]
+        assert 'waiting_lora_adapters="tl"' in s["series"], (name, s)

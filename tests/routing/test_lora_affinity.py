@@ -79,3 +79,22 @@ def test_a_request_placed_again_counts_once_where_it_is_now() -> None:
     c.lora.left("a1")
     c.lora.left("a1")  # twice: nothing more to take away
     assert c.lora.candidates("code", pool) == [c.instances[elsewhere]]
+
+
+def test_own_requests_of_more_adapters_than_slots_mean_one_of_them_waits_there() -> None:
+    """vLLM lists only adapters whose requests have run: kvgate's own "chat" request on c0,
+    which runs "sql", waits there unlisted. More "chat" does not count on c0, and neither does
+    more "sql" while another instance can take it: c0 drains, and "chat" gets the slot after
+    the "sql" requests already there (not after every "sql" request yet to come)."""
+    c = _conductor(affinity=False)  # the first two land where the queue says: both on c0
+    busy(c, "c1", 2.0)
+    assert _place(c, "a1", "sql", 1).prefill == "c0"
+    assert _place(c, "b1", "chat", 2).prefill == "c0"
+    c.lora.engine_state("c0", EngineAdapters(1, frozenset({"sql"})))
+    pool = [c.instances["c0"], c.instances["c1"]]
+    assert c.lora.candidates("chat", pool) == [c.instances["c1"]]
+    assert c.lora.candidates("sql", pool) == [c.instances["c1"]]  # a free slot: not on c0
+    c.lora.engine_state("c1", EngineAdapters(1, frozenset({"code"})))
+    assert c.lora.candidates("sql", pool) == pool  # nowhere at once: placement decides
+    c.lora.left("b1")  # the waiting "chat" request is gone: c0 runs "sql" for all
+    assert c.lora.candidates("sql", pool) == [c.instances["c0"]]

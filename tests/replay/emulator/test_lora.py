@@ -1,9 +1,9 @@
 """LoRA adapters and cache salts in the emulator, as vLLM 0.32 serves them: a request naming an
 adapter (or carrying a salt) is keyed and published in its own space (vLLM's hashes with the
 tagged extra keys, the events' ``lora_id`` / ``lora_name`` / untagged ``extra_keys``), an
-unknown model is a 404, ``/v1/models`` lists the adapters, ``vllm:lora_requests_info`` says
-which run, a copied prefix keeps its space; and a gateway told of the adapter learns its
-blocks from the events alone."""
+unknown model is a 404, ``/v1/models`` lists the adapters, ``--max-loras`` adapters run at
+once and ``vllm:lora_requests_info`` lists them as vLLM 0.32 does, a copied prefix keeps its
+space; and a gateway told of the adapter learns its blocks from the events alone."""
 
 from __future__ import annotations
 
@@ -147,6 +147,61 @@ def test_lora_requests_info_names_the_running_adapter() -> None:
     running, after = asyncio.run(main())
     assert 'max_lora="1"' in running and 'running_lora_adapters="tl"' in running
     assert 'running_lora_adapters=""' in after  # the newest series: nothing runs
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_another_adapter_waits_for_a_slot_as_in_vllm(max_loras: int) -> None:
+    """vLLM's --max-loras: with one slot, a request for adapter t2 waits while tl's long answer
+    decodes, however idle the engine, and /metrics shows it as vLLM 0.32 does (one request
+    "deferred"; lora_requests_info lists only tl, in both labels: vLLM hears of a request with
+    its first output); with two slots it runs at once."""
+    adapters = (("tl", "/adapters/tl"), ("t2", "/adapters/t2"))
+
+    async def main() -> dict[str, Any]:
+        config = EmulatorConfig(
+            time_scale=0.2, block_size=32, lora_adapters=adapters, max_loras=max_loras
+        )
+        emu = await start_emulator(config)
+        loop = asyncio.get_running_loop()
+        url = f"{emu.url}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def first_token_at() -> float:
+                    req = {"model": "t2", "prompt": [2] * 64, "max_tokens": 2, "stream": True}
+                    async with s.post(url, json=req) as r:
+                        assert r.status == 200, await r.text()
+                        await r.content.readline()
+                        at = loop.time()
+                        await r.read()
+                        return at
+
+                req = {"model": "tl", "prompt": [1] * 64, "max_tokens": 300, "stream": True}
+                async with s.post(url, json=req) as long:
+                    assert long.status == 200
+                    await long.content.readline()  # tl runs
+                    other = asyncio.create_task(first_token_at())
+                    await asyncio.sleep(0.1)
+                    seen = {"series": await _lora_series(s, emu)}
+                    async with s.get(f"{emu.url}/metrics") as r:
+                        page = await r.text()
+                    found = re.search(r'reason="deferred"\} (\S+)', page)
+                    seen["deferred"] = float(found.group(1)) if found else None
+                    await long.read()
+                    seen["long done"] = loop.time()
+                seen["other first"] = await other
+                return seen
+        finally:
+            await emu.stop()
+
+    seen = asyncio.run(main())
+    if max_loras == 1:
+        assert seen["other first"] >= seen["long done"] - 0.02, seen
+        assert 'running_lora_adapters="tl"' in seen["series"], seen
+        assert 'waiting_lora_adapters="tl"' in seen["series"] and seen["deferred"] == 1
+    else:
+        assert seen["other first"] < seen["long done"] - 0.1, seen
+        assert seen["deferred"] == 0, seen
 
 
 async def _lora_series(s: aiohttp.ClientSession, emu: RunningEmulator) -> str:

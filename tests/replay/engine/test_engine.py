@@ -135,3 +135,56 @@ def test_step_at_a_time_mode_emits_every_step() -> None:
     assert len(reports) == 5
     assert [r.tbt[0][1] for _, r in reports] == [1] * 5
     assert reports[-1][1].finished[0].generated == 5
+
+
+def lora_job(rid: str, adapter: str | None, out: int, base: int) -> PrefillJob:
+    j = job(rid, tuple(range(base, base + 8)), out)
+    j.adapter = adapter
+    return j
+
+
+def test_an_adapter_without_a_free_slot_waits_for_the_running_adapter_to_leave() -> None:
+    """vLLM --max-loras 1: b (adapter y) waits while a (adapter x) decodes, however idle the
+    engine; c (x again) and d (no adapter) behind it are not held up (vLLM skips b, FCFS among
+    the rest)."""
+    e = engine(Role.BOTH, max_adapters=1)
+    e.submit_prefill(lora_job("a", "x", 50, 0), 0.0)
+    e.submit_prefill(lora_job("b", "y", 5, 100), 0.0)
+    e.submit_prefill(lora_job("c", "x", 5, 200), 0.0)
+    e.submit_prefill(lora_job("d", None, 5, 300), 0.0)
+    assert e.adapters_in_use() == {"x"} and e.waiting_for_slot() == 1  # a started: b waits
+    done: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    while (t := e.next_event_s()) is not None:
+        r = e.advance(t)
+        done.update((p.request_id, p.end_s) for p in r.prefilled)
+        finished.update((s.request_id, t) for s in r.finished)
+        if "a" not in finished:
+            assert e.adapters_in_use() == {"x"} and "b" not in done
+    assert done["c"] < done["b"] and done["d"] < done["b"]
+    assert done["b"] > finished["a"] > finished["c"]  # y got the slot when x's last one left
+
+
+def test_two_slots_run_two_adapters_at_once_and_no_adapter_needs_none() -> None:
+    e = engine(Role.BOTH, max_adapters=2)
+    for i, adapter in enumerate(("x", "y", None)):
+        e.submit_prefill(lora_job(f"r{i}", adapter, 20, i * 100), 0.0)
+    reports = run_until_idle(e)
+    first_finish = next(t for t, r in reports if r.finished)
+    starts = [p.start_s for _, r in reports for p in r.prefilled]
+    assert len(starts) == 3 and max(starts) < first_finish  # nobody waited for a slot
+
+
+def test_a_pd_decode_leg_of_another_adapter_joins_when_the_slot_frees() -> None:
+    e = engine(Role.DECODE, max_adapters=1)
+    a, b = DecodeSeq("a", 100, 20), DecodeSeq("b", 100, 5)
+    a.adapter, b.adapter = "x", "y"
+    assert e.submit_decode(a, 0.0) is None and e.submit_decode(b, 0.0) is None
+    assert set(e.running) == {"a"} and e.waiting_for_slot() == 1
+    finished = [s.request_id for _, r in run_until_idle(e) for s in r.finished]
+    assert finished == ["a", "b"] and e.reserved_tokens == 0
+
+
+def test_max_adapters_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_adapters"):
+        engine(max_adapters=0)
