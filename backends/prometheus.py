@@ -8,16 +8,7 @@ parses them: vLLM's page is ~600 lines, mostly histogram buckets, and parsing al
 6.5 ms of the gateway's event loop per scrape (measured on this 2-core box), which showed up
 in the TTFT of the requests it delayed (docs/calibration.md section 4). A page with none of
 those series is parsed whole, so malformed text is still an error. The series are folded per
-instance:
-
-- counts (running, waiting, prefix-cache token counters, cache blocks) are *summed* over data
-  parallel ranks, because every DP rank is a separate scheduler with its own batch and cache;
-- utilisations (KV usage, SGLang's hit rate) are *averaged* over ranks, because a fraction of
-  one pool is not additive.
-
-Within one rank a series can still appear several times (SGLang labels ``tp_rank``; a
-multiprocess vLLM front end can repeat a gauge per API server). Those copies describe the
-same scheduler, so they are collapsed with ``max`` rather than summed.
+instance over data-parallel ranks (``backends/metric_samples.py``).
 
 The flavour is given (``engine`` of the instance) or detected from the names seen. A series
 that is absent yields ``None`` ("unknown"), never an error: engines drop and rename metrics
@@ -35,15 +26,21 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.metric_samples import (
+    Sample,
+    first_label,
+    int_label,
+    label_total,
+    mean,
+    per_rank,
+    total,
+)
 from config.errors import KvgateError
 
 Engine = Literal["vllm", "sglang", "llamacpp", "unknown"]
 # What the caller knows about the engine: its flavour, or "auto" to detect it from the names.
 EngineHint = Literal["auto", "vllm", "sglang", "llamacpp"]
 
-# Labels that name a data-parallel rank: vLLM V1 exports ``engine`` (the DP engine index),
-# SGLang exports ``dp_rank`` when DP attention is on.
-_RANK_LABELS: tuple[str, ...] = ("engine", "dp_rank")
 _PREFIXES: tuple[tuple[str, Engine], ...] = (
     ("vllm:", "vllm"),
     ("sglang:", "sglang"),
@@ -167,84 +164,6 @@ class EngineLoad:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Sample:
-    value: float
-    labels: Mapping[str, str]
-
-
-def _rank(labels: Mapping[str, str]) -> str:
-    for name in _RANK_LABELS:
-        if name in labels:
-            return labels[name]
-    return ""
-
-
-def _per_rank(samples: Iterable[_Sample], part_label: str | None = None) -> dict[str, float]:
-    """Value per DP rank: copies of one series collapse with max; series that are distinct
-    parts of one total (``part_label``, e.g. SGLang's cache_source) are added up."""
-    parts: dict[tuple[str, str], float] = {}
-    for s in samples:
-        key = (_rank(s.labels), s.labels.get(part_label, "") if part_label else "")
-        parts[key] = max(parts.get(key, s.value), s.value)
-    out: dict[str, float] = {}
-    for (rank, _), value in parts.items():
-        out[rank] = out.get(rank, 0.0) + value
-    return out
-
-
-def _pick(by_name: Mapping[str, list[_Sample]], names: tuple[str, ...]) -> list[_Sample]:
-    for name in names:
-        if by_name.get(name):
-            return by_name[name]
-    return []
-
-
-def _sum(
-    by_name: Mapping[str, list[_Sample]], names: tuple[str, ...], part_label: str | None = None
-) -> int | None:
-    ranks = _per_rank(_pick(by_name, names), part_label)
-    return round(sum(ranks.values())) if ranks else None
-
-
-def _mean(by_name: Mapping[str, list[_Sample]], names: tuple[str, ...]) -> float | None:
-    ranks = _per_rank(_pick(by_name, names))
-    if not ranks:
-        return None
-    # Clamped: SGLang's token_usage can briefly read above 1 while a batch over-commits, and
-    # downstream code treats this as a fraction of capacity.
-    return min(1.0, max(0.0, sum(ranks.values()) / len(ranks)))
-
-
-def _int_label(labels: Mapping[str, str], name: str) -> int | None:
-    raw = labels.get(name)
-    if raw is None:
-        return None
-    try:
-        value = int(float(raw))  # "16" and "16.0" both occur; "None" means unset
-    except ValueError:
-        return None
-    return value if value > 0 else None
-
-
-def _label_total(samples: list[_Sample], label: str) -> int | None:
-    """Sum over DP ranks of an integer label of an info gauge (one sample per rank)."""
-    per_rank: dict[str, int] = {}
-    for s in samples:
-        value = _int_label(s.labels, label)
-        if value is not None:
-            per_rank[_rank(s.labels)] = value
-    return sum(per_rank.values()) if per_rank else None
-
-
-def _first_label(samples: list[_Sample], label: str) -> int | None:
-    for s in samples:
-        value = _int_label(s.labels, label)
-        if value is not None:
-            return value
-    return None
-
-
 def _wanted_lines(text: str) -> tuple[str, Engine]:
     """The sample lines of the series this module reads, and the engine whose metric prefix
     comes first on the page (comments and every other series skipped unparsed)."""
@@ -262,15 +181,15 @@ def _wanted_lines(text: str) -> tuple[str, Engine]:
     return "\n".join(keep) + "\n", engine
 
 
-def _collect(text: str) -> dict[str, list[_Sample]]:
-    by_name: dict[str, list[_Sample]] = {}
+def _collect(text: str) -> dict[str, list[Sample]]:
+    by_name: dict[str, list[Sample]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 # NaN is how an engine says "no value yet" (e.g. before the first step).
                 if math.isnan(sample.value):
                     continue
-                by_name.setdefault(sample.name, []).append(_Sample(sample.value, sample.labels))
+                by_name.setdefault(sample.name, []).append(Sample(sample.value, sample.labels))
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         raise MetricsParseError(f"not Prometheus text exposition format: {exc!s}") from exc
     return by_name
@@ -285,41 +204,41 @@ def detect_engine(names: Iterable[str]) -> Engine:
     return "unknown"
 
 
-def _vllm(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:
+def _vllm(by_name: Mapping[str, list[Sample]], base: EngineLoad) -> EngineLoad:
     config = by_name.get(_VLLM_CONFIG, [])
     by_reason = by_name.get(_VLLM_WAITING_BY_REASON, [])
-    waiting = _sum(by_name, _VLLM_WAITING)
+    waiting = total(by_name, _VLLM_WAITING)
     if waiting is None and by_reason:
-        waiting = round(sum(_per_rank(by_reason, "reason").values()))
+        waiting = round(sum(per_rank(by_reason, "reason").values()))
     capacity_waits = [s for s in by_reason if s.labels.get("reason") == "capacity"]
-    hits, queries = _sum(by_name, _VLLM_HITS), _sum(by_name, _VLLM_QUERIES)
+    hits, queries = total(by_name, _VLLM_HITS), total(by_name, _VLLM_QUERIES)
     if hits is None and queries is None:
-        hits, queries = _sum(by_name, _VLLM_CACHED_PROMPT), _sum(by_name, _VLLM_PROMPT)
+        hits, queries = total(by_name, _VLLM_CACHED_PROMPT), total(by_name, _VLLM_PROMPT)
     return _replace(
         base,
         engine="vllm",
-        num_running=_sum(by_name, _VLLM_RUNNING),
+        num_running=total(by_name, _VLLM_RUNNING),
         num_waiting=waiting,
-        num_waiting_for_capacity=round(sum(_per_rank(capacity_waits).values()))
+        num_waiting_for_capacity=round(sum(per_rank(capacity_waits).values()))
         if capacity_waits
         else None,
-        kv_usage=_mean(by_name, _VLLM_USAGE),
+        kv_usage=mean(by_name, _VLLM_USAGE),
         prefix_cache_hits=hits,
         prefix_cache_queries=queries,
-        block_size=_first_label(config, "block_size"),
-        num_gpu_blocks=_label_total(config, "num_gpu_blocks"),
-        token_capacity=_label_total(config, "kv_cache_size_tokens"),
+        block_size=first_label(config, "block_size"),
+        num_gpu_blocks=label_total(config, "num_gpu_blocks"),
+        token_capacity=label_total(config, "kv_cache_size_tokens"),
         **_lora(by_name.get(_VLLM_LORA, [])),
     )
 
 
-def _lora(samples: list[_Sample]) -> dict[str, object]:
+def _lora(samples: list[Sample]) -> dict[str, object]:
     """``max_loras`` and ``running_adapters`` from the newest ``lora_requests_info`` series
     (its value is when vLLM last set it: older label sets linger on the page)."""
     if not samples:
         return {}
     newest = max(samples, key=lambda s: s.value)
-    max_loras = _int_label(newest.labels, "max_lora")
+    max_loras = int_label(newest.labels, "max_lora")
     if max_loras is None:  # LoRA off (max_lora 0)
         return {}
     running = newest.labels.get("running_lora_adapters", "")
@@ -329,31 +248,31 @@ def _lora(samples: list[_Sample]) -> dict[str, object]:
     }
 
 
-def _sglang(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:
+def _sglang(by_name: Mapping[str, list[Sample]], base: EngineLoad) -> EngineLoad:
     config = by_name.get(_SGLANG_CONFIG, [])
-    hits = _sum(by_name, (_SGLANG_CACHED,), "cache_source")  # newer SGLang only
+    hits = total(by_name, (_SGLANG_CACHED,), "cache_source")  # newer SGLang only
     return _replace(
         base,
         engine="sglang",
-        num_running=_sum(by_name, _SGLANG_RUNNING),
-        num_waiting=_sum(by_name, _SGLANG_WAITING),
-        kv_usage=_mean(by_name, _SGLANG_USAGE),
+        num_running=total(by_name, _SGLANG_RUNNING),
+        num_waiting=total(by_name, _SGLANG_WAITING),
+        kv_usage=mean(by_name, _SGLANG_USAGE),
         prefix_cache_hits=hits,
-        prefix_cache_queries=None if hits is None else _sum(by_name, _SGLANG_PROMPT),
-        block_size=_first_label(config, "page_size"),
-        num_gpu_blocks=_label_total(config, "num_pages"),
-        token_capacity=_sum(by_name, _SGLANG_MAX_TOKENS),
-        cache_hit_rate=_mean(by_name, _SGLANG_HIT_RATE),
+        prefix_cache_queries=None if hits is None else total(by_name, _SGLANG_PROMPT),
+        block_size=first_label(config, "page_size"),
+        num_gpu_blocks=label_total(config, "num_pages"),
+        token_capacity=total(by_name, _SGLANG_MAX_TOKENS),
+        cache_hit_rate=mean(by_name, _SGLANG_HIT_RATE),
     )
 
 
-def _llamacpp(by_name: Mapping[str, list[_Sample]], base: EngineLoad) -> EngineLoad:
-    cached, computed = _sum(by_name, _LLAMA_CACHED), _sum(by_name, _LLAMA_COMPUTED)
+def _llamacpp(by_name: Mapping[str, list[Sample]], base: EngineLoad) -> EngineLoad:
+    cached, computed = total(by_name, _LLAMA_CACHED), total(by_name, _LLAMA_COMPUTED)
     return _replace(
         base,
         engine="llamacpp",
-        num_running=_sum(by_name, _LLAMA_RUNNING),
-        num_waiting=_sum(by_name, _LLAMA_WAITING),
+        num_running=total(by_name, _LLAMA_RUNNING),
+        num_waiting=total(by_name, _LLAMA_WAITING),
         prefix_cache_hits=cached,
         # llama-server counts computed and cached prompt tokens apart; queries are both.
         prefix_cache_queries=None if cached is None or computed is None else cached + computed,
