@@ -83,6 +83,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "request for another adapter waits until a running adapter's requests have left",
     )
     parser.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters kept in host memory, as vLLM's --max-cpu-loras (default: "
+        "--max-loras); one that is not is read in first (--lora-load-s)",
+    )
+    parser.add_argument(
+        "--lora-load-s",
+        type=float,
+        default=0.0,
+        help="model seconds a step takes longer to read in an adapter not in host memory "
+        "(default 0: loads are free)",
+    )
+    parser.add_argument(
         "--bootstrap-port",
         type=int,
         default=None,
@@ -109,6 +123,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         bootstrap_port=args.bootstrap_port,
         lora_adapters=tuple(_lora_module(m) for m in args.lora_modules),
         max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_load_s=args.lora_load_s,
     )
 
 

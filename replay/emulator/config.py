@@ -53,8 +53,12 @@ class EmulatorConfig:
     # naming one is keyed and published in the adapter's space (vLLM hashes the path too).
     lora_adapters: tuple[tuple[str, str], ...] = ()
     # Adapters one batch runs at once (vLLM's --max-loras, default 1): a request for another
-    # waits until a running adapter's last request has left. Adapter loads are not timed.
+    # waits until a running adapter's last request has left.
     max_loras: int = 1
+    # Adapters kept in host memory (vLLM's --max-cpu-loras; None: max_loras), and the time a
+    # step takes longer to read in one that is not (0: loads are free).
+    max_cpu_loras: int | None = None
+    lora_load_s: float = 0.0
 
     def __post_init__(self) -> None:
         # argparse and TOML hand strings over; accept them for the enums.
@@ -81,6 +85,10 @@ class EmulatorConfig:
                 raise ValueError(f"{name} must be in [0, 65535]")
         if self.default_max_tokens < 1 or self.max_inflight < 1 or self.max_loras < 1:
             raise ValueError("default_max_tokens, max_inflight and max_loras must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras (as vLLM requires)")
+        if self.lora_load_s < 0:
+            raise ValueError("lora_load_s must be >= 0")
         names = [name for name, _ in self.lora_adapters]
         if any(not name for name in names) or len(set(names)) != len(names):
             raise ValueError("LoRA adapter names must be non-empty and unique")

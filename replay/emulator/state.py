@@ -134,6 +134,8 @@ def build_state(config: EmulatorConfig) -> EmulatorState:
         decode_tbt_limit_s=tbt,
         max_segment_steps=1,  # one event per step: tokens stream as they are made
         max_adapters=config.max_loras if config.lora_adapters else None,
+        adapter_load_s=config.lora_load_s,
+        max_cached_adapters=config.max_cpu_loras,
     )
     runtime = EngineRuntime(
         engine, config.time_scale, config.block_size, max_inflight=config.max_inflight

@@ -13,12 +13,14 @@ step boundary, where the newcomer joins (continuous batching).
 With ``max_adapters`` (vLLM's ``--max-loras``) a batch runs at most that many distinct LoRA
 adapters: a waiting request for another adapter is skipped, not queued behind (vLLM's
 scheduler defers it and takes the requests after it), until every request of a running
-adapter has left the batch.
+adapter has left the batch. An adapter that is not among the last ``max_cached_adapters`` used
+(vLLM's ``--max-cpu-loras`` host cache) is read in first: the step that runs it takes
+``adapter_load_s`` longer (vLLM loads it inside that step).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from config.settings import Role
@@ -88,6 +90,8 @@ class _Plan:
     start_s: float = 0.0
     batch: int = 0
     context: int = 0
+    extra_s: float = 0.0  # adapter loads inside this plan
+    adapters: tuple[str, ...] = ()  # the adapters it runs (the host cache's recency)
 
 
 class Engine:
@@ -104,9 +108,14 @@ class Engine:
         decode_tbt_limit_s: float | None = None,
         max_segment_steps: int | None = None,
         max_adapters: int | None = None,
+        adapter_load_s: float = 0.0,
+        max_cached_adapters: int | None = None,
     ) -> None:
         if max_adapters is not None and max_adapters < 1:
             raise ValueError("max_adapters must be >= 1")
+        cached = max_cached_adapters if max_cached_adapters is not None else max_adapters
+        if adapter_load_s < 0 or (cached is not None and max_adapters and cached < max_adapters):
+            raise ValueError("adapter_load_s must be >= 0, max_cached_adapters >= max_adapters")
         self.id = instance_id
         self.role = role
         self.timing = timing
@@ -119,6 +128,9 @@ class Engine:
         # the simulator skips ahead to the next change (None).
         self.max_segment_steps = max_segment_steps
         self.max_adapters = max_adapters
+        self.adapter_load_s = adapter_load_s
+        self.max_cached_adapters = cached
+        self.cached_adapters: OrderedDict[str, None] = OrderedDict()  # least recent first
         self.queue: deque[PrefillJob] = deque()
         self.running: dict[str, DecodeSeq] = {}
         self.joining: deque[DecodeSeq] = deque()
@@ -200,12 +212,12 @@ class Engine:
             self._replan()  # nothing has run yet: plan again with the newcomer in
         elif plan.steps > 1:
             # Cut a decode segment at the first step boundary at or after `now`.
-            steps = self.timing.decode_steps_until(plan.batch, plan.context, now - plan.start_s)
+            ran = now - plan.start_s - plan.extra_s
+            steps = self.timing.decode_steps_until(plan.batch, plan.context, ran)
             if steps < plan.steps:
                 plan.steps = steps
-                plan.end_s = plan.start_s + self.timing.decode_steps(
-                    plan.batch, plan.context, steps
-                )
+                plan.end_s = plan.start_s + plan.extra_s
+                plan.end_s += self.timing.decode_steps(plan.batch, plan.context, steps)
 
     # ------------------------------------------------------------------ stepping
     def _replan(self) -> None:
@@ -224,15 +236,18 @@ class Engine:
         self.joining = waiting
         batch, ctx = len(self.running), self.context_tokens
         chunks, tokens, attn = self._allocate(batch, t, in_use) if self.queue else ([], 0, 0.0)
+        # Loads are charged until a step that ran the adapter is applied (``advance``), so a
+        # plan made again at the same instant still pays them.
+        loads = sum(a not in self.cached_adapters for a in in_use) * self.adapter_load_s
         if chunks:
-            dt = self.timing.step(tokens + batch, attn, ctx)
-            self._plan = _Plan(t + dt, 1, chunks, t, batch, ctx)
+            dt = self.timing.step(tokens + batch, attn, ctx) + loads
+            self._plan = _Plan(t + dt, 1, chunks, t, batch, ctx, loads, tuple(in_use))
         elif self.running:  # decodes only (queued prefills, if any, wait for a slot)
             steps = min(s.remaining for s in self.running.values())
             if self.max_segment_steps is not None:
                 steps = min(steps, self.max_segment_steps)
-            dt = self.timing.decode_steps(batch, ctx, steps)
-            self._plan = _Plan(t + dt, steps, [], t, batch, ctx)
+            dt = self.timing.decode_steps(batch, ctx, steps) + loads
+            self._plan = _Plan(t + dt, steps, [], t, batch, ctx, loads, tuple(in_use))
         else:
             self._plan = None
 
@@ -276,6 +291,11 @@ class Engine:
             return report
         self.busy_s += plan.end_s - plan.start_s
         self.clock_s = plan.end_s
+        for adapter in plan.adapters:  # read in (if it was not) and used: most recent
+            self.cached_adapters[adapter] = None
+            self.cached_adapters.move_to_end(adapter)
+        while self.max_cached_adapters and len(self.cached_adapters) > self.max_cached_adapters:
+            self.cached_adapters.popitem(last=False)
         for job, n in plan.chunks:
             job.done += n
             if job.done >= job.new_tokens:
@@ -306,6 +326,8 @@ class Engine:
         mean = first + self.timing.k_s * batch * (steps - 1) / 2
         if plan.chunks:  # a mixed step: decodes waited for the prefill chunk too
             mean = plan.end_s - plan.start_s
+        else:
+            mean += plan.extra_s / steps  # an adapter load held up the segment
         report.tbt.append((mean, steps * batch))
         done = []
         for seq in self.running.values():

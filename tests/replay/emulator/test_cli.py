@@ -31,7 +31,7 @@ def test_arguments_map_to_the_config() -> None:
         "--role decode --protocol sglang --profile llama2-7b-h100-tp1 --port 0 "
         "--time-scale 0.05 --kv-events-port 0 --kv-events-format map --link-gbps 100 "
         "--decode-tbt-limit-ms 50 --model m --bootstrap-port 8998 --lora-modules tl=/a/tl sql "
-        "--max-loras 2"
+        "--max-loras 2 --max-cpu-loras 3 --lora-load-s 0.2"
     )
     cfg = config_from_args(parse(*argv))
     assert cfg.role is Role.DECODE and cfg.protocol is PDProtocol.SGLANG
@@ -39,7 +39,7 @@ def test_arguments_map_to_the_config() -> None:
     assert cfg.kv_events_format == "map" and cfg.decode_tbt_limit_ms == 50
     assert cfg.served_model == "m" and cfg.bootstrap_port == 8998 and cfg.host == "127.0.0.1"
     assert cfg.lora_adapters == (("tl", "/a/tl"), ("sql", "sql"))  # vLLM's NAME=PATH, or NAME
-    assert cfg.max_loras == 2
+    assert cfg.max_loras == 2 and cfg.max_cpu_loras == 3 and cfg.lora_load_s == 0.2
     default = config_from_args(parse())
     assert default.served_model == default.profile and default.role is Role.BOTH
     with pytest.raises(SystemExit):
@@ -47,6 +47,7 @@ def test_arguments_map_to_the_config() -> None:
     assert main(parse("--time-scale", "0")) == 2
     assert main(parse("--model", "m", "--lora-modules", "m")) == 2  # the model's own name
     assert main(parse("--lora-modules", "a", "--max-loras", "0")) == 2
+    assert main(parse("--lora-modules", "a", "--max-loras", "2", "--max-cpu-loras", "1")) == 2
 
 
 def test_process_serves_and_stops_on_sigterm() -> None:

@@ -204,6 +204,34 @@ def test_another_adapter_waits_for_a_slot_as_in_vllm(max_loras: int) -> None:
         assert seen["deferred"] == 0, seen
 
 
+def test_an_adapter_not_in_host_memory_is_read_in_first() -> None:
+    """--max-cpu-loras 1 --lora-load-s 0.3: the first request of tl and the one of t2 after it
+    wait for the load; tl's second request, still in host memory, does not."""
+    adapters = (("tl", "/adapters/tl"), ("t2", "/adapters/t2"))
+
+    async def main() -> list[float]:
+        config = EmulatorConfig(
+            time_scale=1.0, block_size=32, lora_adapters=adapters, max_cpu_loras=1, lora_load_s=0.3
+        )
+        emu = await start_emulator(config)
+        loop = asyncio.get_running_loop()
+        ttfts = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for i, model in enumerate(("tl", "tl", "t2")):
+                    req = {"model": model, "prompt": [i] * 40, "max_tokens": 1}
+                    t0 = loop.time()
+                    async with s.post(f"{emu.url}/v1/completions", json=req) as r:
+                        assert r.status == 200, await r.text()
+                    ttfts.append(loop.time() - t0)
+        finally:
+            await emu.stop()
+        return ttfts
+
+    first, again, other = asyncio.run(main())
+    assert first >= 0.3 and other >= 0.3 and again < 0.2, (first, again, other)
+
+
 async def _lora_series(s: aiohttp.ClientSession, emu: RunningEmulator) -> str:
     """The newest ``vllm:lora_requests_info`` series (the one with the latest time)."""
     async with s.get(f"{emu.url}/metrics") as r:

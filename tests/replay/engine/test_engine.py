@@ -188,3 +188,33 @@ def test_a_pd_decode_leg_of_another_adapter_joins_when_the_slot_frees() -> None:
 def test_max_adapters_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_adapters"):
         engine(max_adapters=0)
+    with pytest.raises(ValueError, match="max_cached_adapters"):
+        engine(max_adapters=2, max_cached_adapters=1)  # vLLM: max_cpu_loras >= max_loras
+
+
+def test_an_adapter_out_of_the_host_cache_is_read_in_inside_the_step_that_runs_it() -> None:
+    """vLLM --max-cpu-loras 1 with a 0.5 s load: x's first request pays it, the next x request
+    does not, y pays it and evicts x, so x pays it again."""
+    e = engine(Role.PREFILL, max_adapters=1, adapter_load_s=0.5, max_cached_adapters=1)
+    spans = []
+    for i, adapter in enumerate(("x", "x", "y", "x")):
+        start = e.clock_s + 1.0
+        e.submit_prefill(lora_job(f"r{i}", adapter, 1, i * 100), start)
+        (done,) = [p for _, r in run_until_idle(e) for p in r.prefilled]
+        spans.append(round(done.end_s - start, 4))
+    step = round(T.step(128, 128 * 64, 0), 4)
+    assert spans == [step + 0.5, step, step + 0.5, step + 0.5]
+    assert list(e.cached_adapters) == ["x"]
+
+
+def test_a_decode_segment_cut_by_a_newcomer_keeps_its_adapter_load() -> None:
+    e = engine(Role.DECODE, max_adapters=2, adapter_load_s=0.25)
+    a = DecodeSeq("a", 100, 50, adapter="x")
+    assert e.submit_decode(a, 0.0) is None
+    first = e.next_event_s()
+    assert first == pytest.approx(0.25 + T.decode_steps(1, 100, 50))
+    assert e.submit_decode(DecodeSeq("b", 100, 5), 0.3) is None  # cuts the segment
+    cut = e.next_event_s()
+    assert cut is not None and 0.3 <= cut < first
+    steps = T.decode_steps_until(1, 100, 0.3 - 0.25)
+    assert cut == pytest.approx(0.25 + T.decode_steps(1, 100, steps))
