@@ -57,16 +57,18 @@ class PrefixCache:
             self.events.append(BlockStored(tuple(stored)))
         over = len(cache) - self.capacity_blocks
         if over > 0:
-            # Evict LRU blocks, but never the ones of the prompt just inserted.
+            # Evict LRU blocks, but never the ones of the prompt just inserted: they are the
+            # most recent, so once the oldest block is one of them only they are left. (Popping
+            # from the old end is O(1) a block; a scan of the whole cache took a third of a
+            # simulation's time.)
             keep = set(blocks)
             removed = []
-            for b in list(cache):
-                if over <= 0:
+            while over > 0:
+                oldest = next(iter(cache))
+                if oldest in keep:
                     break
-                if b in keep:
-                    continue
-                del cache[b]
-                removed.append(b)
+                del cache[oldest]
+                removed.append(oldest)
                 over -= 1
             if removed:
                 self.events.append(BlockRemoved(tuple(removed)))
