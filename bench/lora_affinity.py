@@ -105,8 +105,8 @@ async def run_once(args: argparse.Namespace, affinity: bool) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--instances", type=int, default=3)
     p.add_argument("--adapters", type=int, default=4)
     p.add_argument("--zipf", type=float, default=0.8, help="adapter popularity exponent")
@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--max-seconds", type=float, default=300.0, help="per run, a bound")
     p.add_argument("--json", default=None, help="write the report here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     runs = []
     for rnd, order in enumerate(round_orders(["on", "off"], args.rounds)):
         for which in order:
