@@ -7,7 +7,8 @@ one gateway in front, in one process on loopback, and sends the same bounded clo
 workload with ``routing.lora_affinity`` on and off, in alternating rounds: each request names
 one adapter (Zipf over the adapters), a unique prompt (no prefix to share, so the cache does
 not steer placement) and a random answer length. It reports each run's TTFT (mean, p50, p90,
-max), wall time and per-instance split, and each round's ratio of on to off.
+max), wall time and per-instance split, and on's ratio to off within each round (and their
+median over rounds).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.policy_rounds import round_orders
+from bench.policy_rounds import ratios, round_orders
 from config.admission_settings import AdmissionMode
 from config.settings import Settings
 from gateway.openai import COMPLETIONS
@@ -128,19 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     for rnd, order in enumerate(round_orders(["on", "off"], args.rounds)):
         for which in order:
             run = asyncio.run(run_once(args, which == "on"))
-            run["round"] = rnd
+            run.update(round=rnd, policy=f"affinity_{which}")
             runs.append(run)
             print(json.dumps(run), file=sys.stderr, flush=True)
-    per_round = []
-    for rnd in range(args.rounds):
-        on, off = (
-            next(r for r in runs if r["round"] == rnd and r["lora_affinity"] is v)
-            for v in (True, False)
-        )
-        per_round.append(
-            {k: round(on[k] / off[k], 3) for k in ("ttft_mean_s", "ttft_p90_s", "wall_s")}
-        )
-    report = {"args": vars(args), "runs": runs, "on_over_off": per_round}
+    on_over_off = ratios(runs, "affinity_off", ("ttft_mean_s", "ttft_p90_s", "wall_s"))
+    report = {"args": vars(args), "runs": runs, "on_over_off": on_over_off["affinity_on"]}
     text = json.dumps(report, indent=2)
     if args.json:
         with open(args.json, "w") as f:

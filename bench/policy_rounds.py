@@ -19,9 +19,11 @@ def round_orders(policies: list[str], rounds: int) -> list[list[str]]:
 RATIO_KEYS = ("ttft_mean_s", "ttft_p90_s", "engine_hit_ratio")
 
 
-def ratios(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
-    """Each policy against ``reference`` within each round (same engines' machine state),
-    then the median over rounds: ``{policy: {key: {"per_round": [...], "median": m}}}``."""
+def ratios(
+    runs: list[dict[str, Any]], reference: str, keys: tuple[str, ...] = RATIO_KEYS
+) -> dict[str, Any]:
+    """Each policy's ``keys`` against ``reference`` within each round (same engines' machine
+    state), then the median over rounds: ``{policy: {key: {"per_round": [...], "median": m}}}``."""
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for run in runs:
         by_round.setdefault(run.get("round", 0), {})[run["policy"]] = run
@@ -31,7 +33,7 @@ def ratios(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
         for policy, run in by_round[rnd].items():
             if policy == reference or ref is None:
                 continue
-            for key in RATIO_KEYS:
+            for key in keys:
                 if run.get(key) is not None and ref.get(key):
                     cell = out.setdefault(policy, {}).setdefault(key, {"per_round": []})
                     cell["per_round"].append(round(run[key] / ref[key], 4))

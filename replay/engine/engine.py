@@ -238,16 +238,20 @@ class Engine:
         chunks, tokens, attn = self._allocate(batch, t, in_use) if self.queue else ([], 0, 0.0)
         # Loads are charged until a step that ran the adapter is applied (``advance``), so a
         # plan made again at the same instant still pays them.
-        loads = sum(a not in self.cached_adapters for a in in_use) * self.adapter_load_s
+        loads = 0.0
+        adapters: tuple[str, ...] = ()
+        if in_use:  # never in the simulator: no adapters there
+            loads = sum(a not in self.cached_adapters for a in in_use) * self.adapter_load_s
+            adapters = tuple(in_use)
         if chunks:
             dt = self.timing.step(tokens + batch, attn, ctx) + loads
-            self._plan = _Plan(t + dt, 1, chunks, t, batch, ctx, loads, tuple(in_use))
+            self._plan = _Plan(t + dt, 1, chunks, t, batch, ctx, loads, adapters)
         elif self.running:  # decodes only (queued prefills, if any, wait for a slot)
             steps = min(s.remaining for s in self.running.values())
             if self.max_segment_steps is not None:
                 steps = min(steps, self.max_segment_steps)
             dt = self.timing.decode_steps(batch, ctx, steps) + loads
-            self._plan = _Plan(t + dt, steps, [], t, batch, ctx, loads, tuple(in_use))
+            self._plan = _Plan(t + dt, steps, [], t, batch, ctx, loads, adapters)
         else:
             self._plan = None
 
@@ -291,11 +295,8 @@ class Engine:
             return report
         self.busy_s += plan.end_s - plan.start_s
         self.clock_s = plan.end_s
-        for adapter in plan.adapters:  # read in (if it was not) and used: most recent
-            self.cached_adapters[adapter] = None
-            self.cached_adapters.move_to_end(adapter)
-        while self.max_cached_adapters and len(self.cached_adapters) > self.max_cached_adapters:
-            self.cached_adapters.popitem(last=False)
+        if plan.adapters:
+            self._touch_adapters(plan.adapters)
         for job, n in plan.chunks:
             job.done += n
             if job.done >= job.new_tokens:
@@ -304,6 +305,15 @@ class Engine:
             self._decode_steps(plan, report)
         self._replan()
         return report
+
+    def _touch_adapters(self, adapters: tuple[str, ...]) -> None:
+        """The plan's adapters were read in (if they were not) and used: the most recent."""
+        cache = self.cached_adapters
+        for adapter in adapters:
+            cache[adapter] = None
+            cache.move_to_end(adapter)
+        while self.max_cached_adapters and len(cache) > self.max_cached_adapters:
+            cache.popitem(last=False)
 
     def _finish_prefill(self, job: PrefillJob, report: StepReport) -> None:
         self.queue.remove(job)

@@ -342,7 +342,7 @@ def test_the_emulator_publishes_an_adapters_blocks_as_vllm_does(
     assert ours == real
 
 
-async def _slot_wait(url: str, model: str) -> dict[str, Any]:
+async def _slot_wait(url: str) -> dict[str, Any]:
     """Adapter tl's long answer decoding on one engine, then a short request of adapter sql
     to the same engine: when its first token came against when tl's answer ended, and what
     /metrics said while it waited."""
@@ -394,7 +394,7 @@ def test_a_second_adapter_waits_for_the_slot_as_on_vllm_and_the_emulator_says_so
     engine = vllm_pair[1]
 
     async def main() -> dict[str, dict[str, Any]]:
-        real = await _slot_wait(engine.url, engine.model)
+        real = await _slot_wait(engine.url)
         config = EmulatorConfig(
             time_scale=1.0,
             block_size=16,
@@ -404,7 +404,7 @@ def test_a_second_adapter_waits_for_the_slot_as_on_vllm_and_the_emulator_says_so
         )
         emu = await start_emulator(config)
         try:
-            emulated = await _slot_wait(emu.url, engine.model)
+            emulated = await _slot_wait(emu.url)
         finally:
             await emu.stop()
         return {"vllm": real, "emulator": emulated}
