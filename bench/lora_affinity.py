@@ -7,8 +7,13 @@ one gateway in front, in one process on loopback, and sends the same bounded clo
 workload with ``routing.lora_affinity`` on and off, in alternating rounds: each request names
 one adapter (Zipf over the adapters), a unique prompt (no prefix to share, so the cache does
 not steer placement) and a random answer length. It reports each run's TTFT (mean, p50, p90,
-max), wall time and per-instance split, and on's ratio to off within each round (and their
-median over rounds).
+max), wall time and per-instance split, and each variant's ratio to off within each round (and
+their median over rounds).
+
+With ``--lora-load-s S`` the emulators read an adapter that is not in host memory (vLLM's
+default ``--max-cpu-loras`` = ``--max-loras``: only the adapter that ran last) for S model
+seconds; ``--variants on,on_no_load,off`` then also runs affinity without weighing that load
+(``routing.lora_load_s = 0``; ``on`` learns it from first tokens).
 """
 
 from __future__ import annotations
@@ -63,17 +68,33 @@ async def _one(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
     return ttft, where
 
 
-async def run_once(args: argparse.Namespace, affinity: bool) -> dict[str, Any]:
+VARIANTS = {  # name -> (routing.lora_affinity, routing.lora_load_s)
+    "on": (True, None),
+    "on_no_load": (True, 0.0),
+    "off": (False, None),
+}
+
+
+async def run_once(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     adapters = tuple(f"lora{i}" for i in range(args.adapters))
+    affinity, load_s = VARIANTS[variant]
     base = Settings()
     base = replace(
         base,
-        routing=replace(base.routing, lora_adapters=adapters, lora_affinity=affinity),
+        routing=replace(
+            base.routing, lora_adapters=adapters, lora_affinity=affinity, lora_load_s=load_s
+        ),
         admission=replace(base.admission, mode=AdmissionMode.NONE),
         server=replace(base.server, refit_interval_s=0, scrape_interval_s=0.25),
     )
     stack = LiveStack(
-        StackSpec(colocated=args.instances, time_scale=args.time_scale, model="base", base=base)
+        StackSpec(
+            colocated=args.instances,
+            time_scale=args.time_scale,
+            model="base",
+            lora_load_s=args.lora_load_s,
+            base=base,
+        )
     )
     await stack.start()
     try:
@@ -91,11 +112,13 @@ async def run_once(args: argparse.Namespace, affinity: bool) -> dict[str, Any]:
 
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         wall = time.monotonic() - t0
+        loads = stack.gateway.conductor.lora.loads.as_dict()
     finally:
         await stack.stop()
     ttfts.sort()
     return {
         "lora_affinity": affinity,
+        "lora_load_s": load_s,
         "requests": len(ttfts),
         "ttft_mean_s": round(statistics.fmean(ttfts), 4),
         "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
@@ -103,6 +126,7 @@ async def run_once(args: argparse.Namespace, affinity: bool) -> dict[str, Any]:
         "ttft_max_s": round(ttfts[-1], 4),
         "wall_s": round(wall, 2),
         "split": dict(sorted(split.items())),
+        "lora_load": loads,  # what the gateway charged (learned) at the end
     }
 
 
@@ -116,6 +140,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--time-scale", type=float, default=1.0, help="emulator wall s per model s")
+    p.add_argument(
+        "--lora-load-s",
+        type=float,
+        default=0.0,
+        help="the emulators' load of an adapter not in host memory (model s); default 0",
+    )
+    p.add_argument(
+        "--variants",
+        default="on,off",
+        help=f"comma-separated, of {', '.join(VARIANTS)}; ratios are to off (default on,off)",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--max-seconds", type=float, default=300.0, help="per run, a bound")
@@ -124,16 +159,25 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "off" not in variants or len(variants) < 2:
+        known = ", ".join(VARIANTS)
+        p.error(f"--variants {args.variants!r}: off and at least one other of {known}")
     runs = []
-    for rnd, order in enumerate(round_orders(["on", "off"], args.rounds)):
+    for rnd, order in enumerate(round_orders(variants, args.rounds)):
         for which in order:
-            run = asyncio.run(run_once(args, which == "on"))
+            run = asyncio.run(run_once(args, which))
             run.update(round=rnd, policy=f"affinity_{which}")
             runs.append(run)
             print(json.dumps(run), file=sys.stderr, flush=True)
-    on_over_off = ratios(runs, "affinity_off", ("ttft_mean_s", "ttft_p90_s", "wall_s"))
-    report = {"args": vars(args), "runs": runs, "on_over_off": on_over_off["affinity_on"]}
+    over_off = ratios(runs, "affinity_off", ("ttft_mean_s", "ttft_p90_s", "wall_s"))
+    report: dict[str, Any] = {"args": vars(args), "runs": runs}
+    for v in variants:
+        if v != "off":
+            report["on_over_off" if v == "on" else f"{v}_over_off"] = over_off[f"affinity_{v}"]
     text = json.dumps(report, indent=2)
     if args.json:
         with open(args.json, "w") as f:

@@ -182,6 +182,12 @@ class RoutingSettings:
     # An adapter's request goes where the adapter can run at once (active, or a free adapter
     # slot per the engine's metrics): routing/lora_affinity.py.
     lora_affinity: bool = True
+    # With lora_affinity: an instance that does not hold the adapter in host memory (by
+    # kvgate's book of what ran there: routing/adapter_loads.py) is charged its load in the
+    # predicted TTFT. How many adapters an engine holds (vLLM --max-cpu-loras; 0 = its
+    # --max-loras, vLLM's default) and the load time (None = learned from first tokens).
+    lora_cpu_adapters: int = 0
+    lora_load_s: float | None = None
     chars_per_token: float = 4.0
     # With model_dir: a prompt with at least this many characters left to tokenize (not in
     # the segment cache) is tokenized in a worker thread, off the event loop; 0 = never.

@@ -161,6 +161,7 @@ class Learner:
                 k: {"scale": round(q.scale, 3), "samples": q.samples}
                 for k, q in sorted(self.queue_scales.items())
             },
+            "lora_load": self.conductor.lora.loads.as_dict(),
         }
 
     # ---- prefill samples and refits ----
@@ -184,12 +185,14 @@ class Learner:
         observed = rec.observed_ttft_s
         if observed is None:
             return None
-        if d.predicted_queue_s == 0.0 and d.predicted_transfer_s == 0.0:
-            self.observe_prefill(
-                profile, d.prompt_tokens - d.cached_tokens, d.cached_tokens, observed
-            )
-        elif d.prefill == d.decode and self.queue_scale_rate > 0:
-            self._observe_queue(d, observed)
+        # A TTFT that holds a LoRA adapter's load from disk tells neither a prefill nor a wait.
+        if d.adapter_load_s is None:
+            if d.predicted_queue_s == 0.0 and d.predicted_transfer_s == 0.0:
+                self.observe_prefill(
+                    profile, d.prompt_tokens - d.cached_tokens, d.cached_tokens, observed
+                )
+            elif d.prefill == d.decode and self.queue_scale_rate > 0:
+                self._observe_queue(d, observed)
         if d.predicted_ttft_s > 0:
             return (observed - d.predicted_ttft_s) / d.predicted_ttft_s
         return None

@@ -29,6 +29,7 @@ class StackSpec:
     kv_events: bool = True
     decode_tbt_limit_ms: float | None = None
     cache_capacity_tokens: int | None = None
+    lora_load_s: float = 0.0  # each emulator's read of an adapter not in host memory
     base: Settings = field(default_factory=Settings)
 
 
@@ -66,6 +67,7 @@ class LiveStack:
                     cache_capacity_tokens=s.cache_capacity_tokens,
                     # The adapters the gateway is told of (routing.lora_adapters) are served.
                     lora_adapters=tuple((n, n) for n in s.base.routing.lora_adapters),
+                    lora_load_s=s.lora_load_s,
                     bootstrap_port=0
                     if (s.protocol is PDProtocol.SGLANG and role is Role.PREFILL)
                     else None,

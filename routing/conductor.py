@@ -128,6 +128,8 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             self.rng = random.Random(settings.routing.seed)
             if getattr(self, "instances", None):
                 self._refresh_pools()  # a new policy learns the fleet it places on
+        self.lora.loads.cpu_adapters = settings.routing.lora_cpu_adapters
+        self.lora.loads.fixed_s = settings.routing.lora_load_s
         if old is None or not hasattr(self, "planner") or old.replication != settings.replication:
             self.planner = HotspotPlanner(settings.replication, settings.routing.block_size)
 
@@ -156,10 +158,12 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_PREFILL, slo)
         if has_decode_pool and not decode_pool:
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_DECODE, slo)
+        setup: dict[str, float] | None = None
         if req.lora is not None and self.settings.routing.lora_affinity:
             prefill_pool = self.lora.candidates(req.lora, prefill_pool)
             if decode_pool:
                 decode_pool = self.lora.candidates(req.lora, decode_pool)
+            setup = self.lora.load_costs(req.lora, prefill_pool)
         match = self.index.match(req.block_hashes, now)
         predicted_output = self.output_lengths.predict(req.output_key, req.max_tokens)
         routing = self.settings.routing
@@ -174,6 +178,7 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             # Pulls are copies too: with replication off, prefixes are only reused in place.
             transfer_allowed=self.settings.replication.enabled
             and len(self.planner.in_flight) < self.settings.replication.max_in_flight,
+            setup_s=setup,
         )
         ctx = PlacementContext(
             req,
@@ -278,6 +283,7 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             best_effort=late,
             waits_for=self.planner.pulls_into(prefill.id, req, option.cached_tokens),
             checked_tbt_s=tbt_check if tbt_check != tbt_now else None,
+            adapter_load_s=setup.get(prefill.id) if setup else None,
         )
 
     def _reject_unavailable(

@@ -63,6 +63,7 @@ class TTFTEstimator:
         "min_transfer_blocks",
         "now",
         "request",
+        "setup_s",
         "threshold",
         "transfer_allowed",
     )
@@ -78,6 +79,7 @@ class TTFTEstimator:
         min_transfer_blocks: int,
         holders: dict[str, InstanceState],
         transfer_allowed: bool = True,
+        setup_s: dict[str, float] | None = None,
     ) -> None:
         self.request = request
         self.match = match
@@ -86,6 +88,9 @@ class TTFTEstimator:
         self.threshold = threshold
         self.min_transfer_blocks = min_transfer_blocks
         self.transfer_allowed = transfer_allowed
+        # Per instance, what it must load before this prefill can run besides KV (a LoRA
+        # adapter not in host memory); counted as load, so it is booked as the engine's work.
+        self.setup_s = setup_s
         self._holders = holders
         self._cache: dict[tuple[int, int], float] = {}
         self._sources: list[tuple[float, int, str]] | None = None
@@ -115,6 +120,8 @@ class TTFTEstimator:
             host_blocks = local - match.gpu_blocks.get(inst.id, 0)
             if host_blocks > 0:
                 load = inst.predictors.host_load.time(host_blocks * self.block_size)
+        if self.setup_s:
+            load += self.setup_s.get(inst.id, 0.0)
         queue = inst.queue_time(self.now)
         prefill = self.prefill_time(inst, local)
         return PrefillOption(
@@ -162,7 +169,10 @@ class TTFTEstimator:
         store = match.store_blocks
         if store > opt.cached_blocks and store - local >= self.min_transfer_blocks:
             load = inst.predictors.store_load.time((store - local) * self.block_size)
-            load += opt.load_s if opt.pull_source is None else 0.0
+            if opt.pull_source is None:
+                load += opt.load_s
+            elif self.setup_s:  # a pull's load_s holds the host part this load replaces
+                load += self.setup_s.get(inst.id, 0.0)
             prefill = self.prefill_time(inst, store)
             ttft = load + opt.queue_s + prefill
             if ttft < opt.ttft_s:

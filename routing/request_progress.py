@@ -216,6 +216,8 @@ class RequestProgress:
         self.prefill_done(request_id, now)
         if rec.first_token_s is None:
             rec.first_token_s = now
+            if rec.request.lora is not None and not rec.decision.warmup:
+                self.lora.first_token(rec.decision, now - rec.dispatched_s)
         return rec.first_token_s - rec.dispatched_s
 
     def tokens(self, request_id: str, n: int, now: float) -> None:

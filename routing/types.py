@@ -133,6 +133,10 @@ class Decision:
     # A warm-up: the prompt of a doomed request turned away, prefilled for the requests that
     # will share its prefix (routing/doomed_warmup.py); no decode leg, its answer is dropped.
     warmup: bool = False
+    # Placed where its LoRA adapter was not in host memory (routing/adapter_loads.py): the
+    # load charged, part of predicted_load_s (0.0 before one is learned); None: resident, or
+    # no adapter.
+    adapter_load_s: float | None = None
 
 
 class RejectReason(StrEnum):

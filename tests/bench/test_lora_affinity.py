@@ -7,6 +7,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from bench import lora_affinity
 
 
@@ -32,6 +34,18 @@ def test_one_round_reports_both_runs_and_their_ratio(tmp_path: Path) -> None:
     runs = report["runs"]
     assert [r["lora_affinity"] for r in runs] == [True, False]
     assert all(r["requests"] == 12 and sum(r["split"].values()) == 12 for r in runs)
+    assert runs[0]["lora_load"]["cold_samples"] >= 1  # each adapter's first request is cold
+    assert runs[1]["lora_load"]["cold_samples"] == 0  # affinity off: nothing weighed
     ratio = report["on_over_off"]["ttft_mean_s"]
     assert ratio["per_round"] == [round(runs[0]["ttft_mean_s"] / runs[1]["ttft_mean_s"], 4)]
     assert ratio["median"] == ratio["per_round"][0]
+
+
+@pytest.mark.parametrize("variants", ["on", "on,bogus,off", "on,on_no_load"])
+def test_variants_must_name_off_and_another_known_one(
+    variants: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        lora_affinity.main(["--variants", variants])
+    assert exc.value.code == 2
+    assert "--variants" in capsys.readouterr().err

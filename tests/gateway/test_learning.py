@@ -210,3 +210,21 @@ def test_the_first_refit_comes_once_there_are_samples_not_an_interval_later() ->
 
     first, later = asyncio.run(main())
     assert (first, later) == (1, 1) and not learner.first_fit_pending()
+
+
+def test_a_first_token_after_an_adapters_load_from_disk_teaches_no_prefill_and_no_wait() -> None:
+    conductor = Conductor(settings())
+    learner = Learner(conductor, 100, 200, min_new_samples=1, queue_scale_rate=0.2)
+    for over in ({"predicted_queue_s": 0.0}, {"predicted_queue_s": 0.5}):
+        d = _decision(adapter_load_s=0.0, **over)  # cold: 7 s of it was the load
+        rec = DecisionRecord.of(d.request_id, 0.0, d)
+        rec.observed_ttft_s = 7.0
+        learner.observe_answer(d, rec, None)
+    assert learner.training_set(None) is None
+    assert conductor.instances["e0"].queue_scale == 1.0
+    d = _decision(predicted_queue_s=0.0)  # the same without the load: a prefill sample
+    rec = DecisionRecord.of(d.request_id, 0.0, d)
+    rec.observed_ttft_s = 0.2
+    learner.observe_answer(d, rec, None)
+    assert learner.training_set(None) is not None
+    assert learner.accuracy()["lora_load"] == conductor.lora.loads.as_dict()
