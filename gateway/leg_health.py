@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from backends.health import BreakerConfig, CircuitBreaker, HealthChecker
+from backends.circuit_breaker import BreakerConfig, CircuitBreaker
+from backends.health import HealthChecker
 from backends.legs import Failure
 from gateway.metrics import GatewayMetrics
 from routing.conductor import Conductor

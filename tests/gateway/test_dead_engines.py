@@ -72,7 +72,7 @@ def test_a_refused_engine_is_ejected_by_one_request_and_keeps_nothing_cached() -
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from backends.health import BreakerState
+    from backends.circuit_breaker import BreakerState
 
     async def healthy(request: web.Request) -> web.Response:
         return web.Response(text="ok")
