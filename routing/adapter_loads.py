@@ -2,10 +2,11 @@
 
 vLLM keeps the ``--max-cpu-loras`` adapters it ran last in host memory (default: as many as
 ``--max-loras``, 1) and reads any other from disk inside the step that first runs it: the
-whole batch waits for the load (on this CPU 0.23-0.27 s between two small adapters, ~7.7 s for
-a first one; docs/real-engines.md §5). vLLM 0.32 does not say which adapters it holds, so
-kvgate keeps its own book: per instance, the adapters its requests ran there last (an LRU of
-that size), and the adapters the engine lists as running.
+whole batch waits for the load (as long as the adapter's size and the disk make it; for the
+tiny test adapter on this CPU, below what the machine resolves: docs/real-engines.md §5).
+vLLM 0.32 does not say which adapters it holds, so kvgate keeps its own book: per instance,
+the adapters its requests ran there last (an LRU of that size), and the adapters the engine
+lists as running.
 
 The load time is learned from first tokens (or fixed by config): a request placed where its
 adapter was not resident ("cold") shows the load in its TTFT residual (observed - predicted,
