@@ -18,7 +18,20 @@ for every request does not count as a load. Pure: no clock, no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def use_adapters(
+    held: OrderedDict[str, None], adapters: Iterable[str], capacity: int | None
+) -> None:
+    """``adapters`` ran: the most recently used of ``held`` (least recent first), which keeps
+    ``capacity`` (None: all; vLLM's host-memory LRU, which the engine model keeps too)."""
+    for adapter in adapters:
+        held[adapter] = None
+        held.move_to_end(adapter)
+    while capacity is not None and len(held) > capacity:
+        held.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -51,10 +64,7 @@ class AdapterLoads:
     def ran(self, instance_id: str, adapter: str, max_loras: int) -> None:
         """``adapter`` runs on the instance now (kvgate sent it, or the engine lists it)."""
         held = self._held.setdefault(instance_id, OrderedDict())
-        held[adapter] = None
-        held.move_to_end(adapter)
-        while len(held) > max(self.cpu_adapters or max_loras, 1):
-            held.popitem(last=False)
+        use_adapters(held, (adapter,), max(self.cpu_adapters or max_loras, 1))
 
     def resident(self, instance_id: str, adapter: str) -> bool:
         held = self._held.get(instance_id)

@@ -53,8 +53,8 @@ class LoraAffinity:
     flight there (counted as requests are placed, moved and finished: no scan per decision);
     filters a pool for an adapter's request."""
 
-    def __init__(self, loads: AdapterLoads | None = None) -> None:
-        self.loads = loads or AdapterLoads()
+    def __init__(self) -> None:
+        self.loads = AdapterLoads()  # configured by the Conductor's settings
         self._engines: dict[str, EngineAdapters] = {}
         self._own: dict[str, Counter[str]] = {}  # instance -> adapter -> requests in flight
         # request -> adapter, where, and whether its first token can teach the adapter load
@@ -126,18 +126,16 @@ class LoraAffinity:
         first token teaches the load). Where ``lora`` runs while another adapter waits for its
         slot, its load is charged all the same: a load saved there would be paid for by the
         waiting adapter's longer wait (the starvation bound, when the fleet has no free slot)."""
-        costs: dict[str, float] = {}
-        load = None
-        for inst in pool:
-            engine = self._engines.get(inst.id)
-            if engine is not None and (
+        load = self.loads.load_s()
+        return {
+            inst.id: load
+            for inst in pool
+            if (engine := self._engines.get(inst.id)) is not None
+            and (
                 self._holds_out(lora, inst.id)
                 or (lora not in engine.running and not self.loads.resident(inst.id, lora))
-            ):
-                if load is None:
-                    load = self.loads.load_s()
-                costs[inst.id] = load
-        return costs
+            )
+        }
 
     def first_token(self, decision: Decision, observed_ttft_s: float) -> None:
         """An adapter request's first token came ``observed_ttft_s`` after its dispatch. It

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from config.settings import Role
 from replay.engine.prefix_cache import PrefixCache
 from replay.engine.timing import StepTiming
+from routing.adapter_loads import use_adapters
 
 
 @dataclass(slots=True)
@@ -295,8 +296,8 @@ class Engine:
             return report
         self.busy_s += plan.end_s - plan.start_s
         self.clock_s = plan.end_s
-        if plan.adapters:
-            self._touch_adapters(plan.adapters)
+        if plan.adapters:  # read in (if they were not) and used
+            use_adapters(self.cached_adapters, plan.adapters, self.max_cached_adapters)
         for job, n in plan.chunks:
             job.done += n
             if job.done >= job.new_tokens:
@@ -305,15 +306,6 @@ class Engine:
             self._decode_steps(plan, report)
         self._replan()
         return report
-
-    def _touch_adapters(self, adapters: tuple[str, ...]) -> None:
-        """The plan's adapters were read in (if they were not) and used: the most recent."""
-        cache = self.cached_adapters
-        for adapter in adapters:
-            cache[adapter] = None
-            cache.move_to_end(adapter)
-        while self.max_cached_adapters and len(cache) > self.max_cached_adapters:
-            cache.popitem(last=False)
 
     def _finish_prefill(self, job: PrefillJob, report: StepReport) -> None:
         self.queue.remove(job)

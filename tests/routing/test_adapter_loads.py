@@ -57,3 +57,15 @@ def test_a_configured_load_time_is_used_as_given() -> None:
     loads = AdapterLoads(fixed_s=1.5)
     loads.observe(9.0, charged_s=1.5)
     assert loads.load_s() == 1.5
+
+
+def test_use_adapters_keeps_the_most_recent_within_capacity_or_all() -> None:
+    from collections import OrderedDict
+
+    from routing.adapter_loads import use_adapters
+
+    held: OrderedDict[str, None] = OrderedDict()
+    use_adapters(held, ("a", "b", "c", "a"), 2)
+    assert list(held) == ["c", "a"]
+    use_adapters(held, ("d", "e"), None)
+    assert list(held) == ["c", "a", "d", "e"]
