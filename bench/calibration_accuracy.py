@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.kvgate_serve import free_port, kvgate_serve
+from bench.kvgate_serve import end_children_on_sigterm, free_port, kvgate_serve
 
 VARIANTS = ("profile", "profile-refit", "default", "default-refit")
 ADMIN_TOKEN = "calibration-bench"  # loopback only, for /admin/predictors (refit count)
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    end_children_on_sigterm()  # a killed run still ends the processes it started
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown or (any(v.startswith("profile") for v in variants) and not args.profile):

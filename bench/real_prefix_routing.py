@@ -36,7 +36,7 @@ import aiohttp
 
 from bench.cache_bounds import min_misses_hits
 from bench.kvgate_epp import kvgate_front
-from bench.kvgate_serve import free_port
+from bench.kvgate_serve import end_children_on_sigterm, free_port
 from bench.policy_rounds import ratios, round_orders
 from tests.real.engines import EngineProcess, start_llama_server, start_vllm, stop_engine
 
@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--front", choices=["serve", "epp"], default="serve", help=front)
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
+    end_children_on_sigterm()  # a killed run still ends the processes it started
     policies = [x for x in args.policies.split(",") if x]
     reference = args.reference or policies[-1]
     if args.rounds < 1 or reference not in policies:

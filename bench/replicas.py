@@ -36,7 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.kvgate_serve import KVGATE_MAIN, wait_healthy
+from bench.kvgate_serve import KVGATE_MAIN, end_children_on_sigterm, wait_healthy
 from gateway.demo import bundled_trace
 from replay.live.loadgen import LoadOptions, prompt_ids, send_one
 from replay.report.report import summarize
@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", help="folder for configs and process logs (default: a temp dir)")
     p.add_argument("--json", help="write the runs and ratios here")
     args = p.parse_args(argv)
+    end_children_on_sigterm()  # a killed run still ends the processes it started
     counts = sorted({int(x) for x in args.replicas.split(",")})
     if not counts or min(counts) < 1 or max(counts) > 16:
         p.error("--replicas: counts between 1 and 16")

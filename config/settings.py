@@ -205,11 +205,16 @@ class RoutingSettings:
     seed: int = 0
     # llama.cpp instances: pin each request to the slot (``id_slot``) that holds its longest
     # prefix, waiting behind at most this many queued requests before taking another slot
-    # (backends/llamacpp_slots.py); off = llama-server picks, and thrashes hot prefixes.
+    # (routing/llamacpp_slots.py); off = llama-server picks, and thrashes hot prefixes.
     # 3, not 1: waiting for the slot beat spilling into (and evicting) another one on real
     # llama-servers, 6 and 8 prompts (docs/real-engines.md section 3).
     llamacpp_slot_affinity: bool = True
     llamacpp_slot_max_waiting: int = 3
+    # Placement charges a llama.cpp option this many times the recompute of the shared prefix
+    # it would overwrite in an idle slot (the next request for that prefix pays it); ranking
+    # only, never a predicted TTFT. 0 = off: the least TTFT alone, which spills a hot prompt's
+    # repeats into other engines' slots (docs/real-engines.md section 3).
+    llamacpp_evict_weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

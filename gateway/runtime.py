@@ -24,7 +24,6 @@ import aiohttp
 from backends.drivers import ProtocolDriver, Target, driver_for
 from backends.health import HealthChecker
 from backends.http1 import Http1Client
-from backends.llamacpp_slots import SlotBook
 from backends.model_files import make_prompt_encoder
 from backends.predictor_files import predictor_factory
 from backends.profile_file import load_measured_profiles
@@ -102,7 +101,7 @@ class Gateway:
             lambda iid: self.instance_routes.get(iid, self.default_route).hasher,
         )
         # llama.cpp instances: which slot each request is pinned to (filled as /slots is read)
-        self.slot_book = SlotBook(max_waiting=settings.routing.llamacpp_slot_max_waiting)
+        self.slot_book = self.conductor.slots
         # `kvgate epp` with P/D: Envoy reaches decode instances through their sidecars, so
         # that is what is probed (a dead sidecar would otherwise look healthy)
         self.health_via_sidecars = False
@@ -202,7 +201,6 @@ class Gateway:
         self.targets.pop(instance_id, None)
         self.legs.remove(instance_id)
         self.kv_feeds.remove(instance_id)
-        self.slot_book.forget(instance_id)
         self.settings = replace(
             self.settings,
             pools=tuple(

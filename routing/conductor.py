@@ -41,6 +41,7 @@ from routing.hopeless import hopeless_rejection
 from routing.hotspot import HotspotPlanner
 from routing.instance_books import InstanceState
 from routing.kv_index import KVIndex
+from routing.llamacpp_slots import SlotBook
 from routing.lora_affinity import LoraAffinity
 from routing.parked_requests import ParkedRequests
 from routing.policies.base import PlacementContext, Policy
@@ -77,6 +78,9 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
         )
         self.requests: dict[str, RequestRecord] = {}
         self.lora = LoraAffinity()  # engines' adapter slots, from their metrics
+        # llama.cpp instances: which slot each request is pinned to (the gateway fills in the
+        # slot counts as it reads /slots); placement weighs the prefixes a slot would lose.
+        self.slots = SlotBook(max_waiting=settings.routing.llamacpp_slot_max_waiting)
         self._event_fed: set[str] = set()  # instances whose engine sends KV events
         self.stats = DecisionStats()
         self._order = 0
@@ -159,14 +163,17 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
         if has_decode_pool and not decode_pool:
             return self._reject_unavailable(req, RejectReason.NO_HEALTHY_DECODE, slo)
         setup: dict[str, float] | None = None
-        if req.lora is not None and self.settings.routing.lora_affinity:
+        routing = self.settings.routing
+        if req.lora is not None and routing.lora_affinity:
             prefill_pool = self.lora.candidates(req.lora, prefill_pool)
             if decode_pool:
                 decode_pool = self.lora.candidates(req.lora, decode_pool)
             setup = self.lora.load_costs(req.lora, prefill_pool)
+        evicts = None
+        if self.slots.instances and routing.llamacpp_evict_weight > 0:
+            evicts = self.slots.shared_evictions(req.block_hashes, (i.id for i in prefill_pool))
         match = self.index.match(req.block_hashes, now)
         predicted_output = self.output_lengths.predict(req.output_key, req.max_tokens)
-        routing = self.settings.routing
         estimator = TTFTEstimator(
             req,
             match,
@@ -179,6 +186,8 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             transfer_allowed=self.settings.replication.enabled
             and len(self.planner.in_flight) < self.settings.replication.max_in_flight,
             setup_s=setup,
+            evict_blocks=evicts,
+            evict_weight=routing.llamacpp_evict_weight,
         )
         ctx = PlacementContext(
             req,

@@ -43,6 +43,14 @@ class PrefillOption:
     cached_tokens: int
     pull_source: str | None = None  # holder instance id or STORE_SOURCE
     pull_from_block: int = 0  # first block index pulled (the instance's local prefix length)
+    # Ranking only, not a TTFT: the recompute of the shared prefix a llama.cpp slot would lose
+    # here (routing/llamacpp_slots.py), which the next request for that prefix pays.
+    evict_s: float = 0.0
+
+    @property
+    def rank_s(self) -> float:
+        """What placement minimises: the TTFT plus the eviction it causes."""
+        return self.ttft_s + self.evict_s
 
     @property
     def reason(self) -> str:
@@ -59,6 +67,8 @@ class TTFTEstimator:
         "_holders",
         "_sources",
         "block_size",
+        "evict_blocks",
+        "evict_weight",
         "match",
         "min_transfer_blocks",
         "now",
@@ -80,6 +90,8 @@ class TTFTEstimator:
         holders: dict[str, InstanceState],
         transfer_allowed: bool = True,
         setup_s: dict[str, float] | None = None,
+        evict_blocks: dict[str, int] | None = None,
+        evict_weight: float = 1.0,
     ) -> None:
         self.request = request
         self.match = match
@@ -91,6 +103,10 @@ class TTFTEstimator:
         # Per instance, what it must load before this prefill can run besides KV (a LoRA
         # adapter not in host memory); counted as load, so it is booked as the engine's work.
         self.setup_s = setup_s
+        # Per instance, the shared prefix blocks placing here would overwrite (a llama.cpp
+        # slot), charged at ``evict_weight`` times their recompute when options are ranked.
+        self.evict_blocks = evict_blocks
+        self.evict_weight = evict_weight
         self._holders = holders
         self._cache: dict[tuple[int, int], float] = {}
         self._sources: list[tuple[float, int, str]] | None = None
@@ -133,7 +149,16 @@ class TTFTEstimator:
             load,
             local,
             self.cached_tokens(local),
+            evict_s=self.evict_time(inst),
         )
+
+    def evict_time(self, inst: InstanceState) -> float:
+        """The recompute of the shared prefix placing here destroys (0 for most engines)."""
+        lost = self.evict_blocks.get(inst.id, 0) if self.evict_blocks else 0
+        if not lost:
+            return 0.0
+        tokens = lost * self.block_size
+        return self.evict_weight * inst.predictors.prefill.predict(tokens, 0)
 
     def best(self, inst: InstanceState) -> PrefillOption:
         """Algorithm 1 for one instance: local, pull from the best holder, or load from store."""
@@ -165,6 +190,7 @@ class TTFTEstimator:
                         self.cached_tokens(best),
                         source,
                         local,
+                        opt.evict_s,
                     )
         store = match.store_blocks
         if store > opt.cached_blocks and store - local >= self.min_transfer_blocks:
@@ -187,6 +213,7 @@ class TTFTEstimator:
                     self.cached_tokens(store),
                     STORE_SOURCE,
                     local,
+                    opt.evict_s,
                 )
         return opt
 

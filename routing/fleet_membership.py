@@ -17,6 +17,7 @@ from routing.fleet_pools import FleetPools
 from routing.hotspot import HotspotPlanner
 from routing.instance_books import InstanceState
 from routing.kv_index import KVIndex
+from routing.llamacpp_slots import SlotBook
 from routing.policies.base import Policy
 
 _BIT_ORDER = attrgetter("bit_order")
@@ -31,6 +32,7 @@ class FleetMembership:
     index: KVIndex
     pools: FleetPools
     planner: HotspotPlanner
+    slots: SlotBook
     policy: Policy
     requests: dict
     _event_fed: set[str]
@@ -98,6 +100,7 @@ class FleetMembership:
             self.index.remove_instance(instance_id)
         self._event_fed.discard(instance_id)
         self.planner.forget_instance(instance_id)
+        self.slots.forget(instance_id)
         self._refresh_pools(now)
         return affected
 

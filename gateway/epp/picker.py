@@ -25,7 +25,7 @@ and the fair-share screen of a decision before it is booked, also for a waiting 
 P/D pools: the request goes to its decode instance's sidecar (``sidecar_url``) with the
 prefill engine in ``x-prefiller-host-port`` (llm-d's protocol; gateway/epp/pd_sidecar.py runs
 the legs). A llama.cpp instance's request is pinned to the slot holding its prefix as under
-`kvgate serve` (backends/llamacpp_slots.py): the flight carries the body rewritten with
+`kvgate serve` (routing/llamacpp_slots.py): the flight carries the body rewritten with
 ``id_slot``, which the exchange hands Envoy instead of the client's. Not supported here
 (docs/epp.md): retries on another engine after the answer started.
 """

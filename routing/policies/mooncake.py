@@ -30,7 +30,8 @@ def _by_queue(candidates: list[InstanceState], now: float, rotation: int) -> lis
 def _argmin_ttft(
     ctx: PlacementContext, option: Callable[[InstanceState], PrefillOption]
 ) -> PrefillOption:
-    """The option with the least predicted TTFT over the prefill candidates.
+    """The option with the least predicted TTFT over the prefill candidates (plus, on a
+    llama.cpp slot, the recompute of the shared prefix it would overwrite: ``rank_s``).
 
     Queue + the cheapest prefill any option could have bounds an instance's TTFT from below,
     so instances that cannot beat the best so far are skipped: same result, fewer estimates.
@@ -41,7 +42,8 @@ def _argmin_ttft(
     best: PrefillOption | None = None
     best_ttft = float("inf")
     for inst in _by_queue(ctx.prefill_candidates, now, ctx.tie_rotation):
-        queue = inst.busy_until_s - now
+        # A learned queue scale below 1 shortens the wait: the bound must shrink with it.
+        queue = (inst.busy_until_s - now) * min(inst.queue_scale, 1.0)
         if best is not None:
             key = id(inst.predictors)
             floor = bounds.get(key)
@@ -50,8 +52,8 @@ def _argmin_ttft(
             if queue + floor >= best_ttft:
                 continue
         opt = option(inst)
-        if opt.ttft_s < best_ttft:
-            best, best_ttft = opt, opt.ttft_s
+        if opt.rank_s < best_ttft:
+            best, best_ttft = opt, opt.rank_s
     assert best is not None
     return best
 

@@ -14,17 +14,26 @@ last prompt (kvgate's block keys) and pins a request to the slot that holds the 
 of it, unless that slot already has ``max_waiting`` requests queued; a request without a useful
 match goes to the least recently used idle slot. The blocks a pinned request overwrites and no
 other slot holds are returned, so the gateway can drop them from its cache view.
+
+The book also tells placement what a request would destroy before it is placed
+(``shared_evictions``): the blocks of a prefix known to be shared (a later request reused it,
+or found it in some slot of the fleet) that taking an idle slot overwrites and no other slot of
+that engine keeps. A placement that minimises TTFT alone spills a hot prompt's repeat into
+another engine's idle slot whenever the holder's wait exceeds a recompute, and the prompt that
+slot held is then recomputed at its next request (docs/real-engines.md section 3); the Conductor
+charges that recompute to the spill when it ranks the options.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class SlotState:
     blocks: tuple[int, ...] = ()  # block keys of the last prompt placed here
+    shared: int = 0  # leading blocks of ``blocks`` known to serve more than one request
     active: int = 0  # requests kvgate sent here that have not finished
     last_used: float = 0.0
 
@@ -36,12 +45,22 @@ class SlotChoice:
     evicted: tuple[int, ...]  # blocks no slot of the instance holds any more
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Leading blocks ``a`` and ``b`` share: a bisection on slice equality (C loops), since
+    placement asks this of every slot of every llama.cpp instance for each request."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 1, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(slots=True)
@@ -52,7 +71,8 @@ class InstanceSlots:
     min_match_blocks: int = 1
     max_waiting: int = 3  # requests queued behind the running one before spilling to another slot
 
-    def choose(self, blocks: Sequence[int], now: float) -> SlotChoice:
+    def _pick(self, blocks: tuple[int, ...]) -> tuple[int, int]:
+        """The slot ``choose`` takes, and how many leading blocks of the prompt it holds."""
         matches = [_common_prefix(s.blocks, blocks) for s in self.slots]
         best = max(range(len(self.slots)), key=lambda i: (matches[i], -self.slots[i].active))
         idle = [i for i, s in enumerate(self.slots) if s.active == 0]
@@ -63,10 +83,45 @@ class InstanceSlots:
             pick = min(idle, key=lambda i: self.slots[i].last_used)
         else:
             pick = min(range(len(self.slots)), key=lambda i: (self.slots[i].active, matches[i]))
+        return pick, matches[pick]
+
+    def _kept_elsewhere(self, pick: int) -> int:
+        """Leading blocks of slot ``pick``'s prompt that another slot also holds (keys are
+        chained, so a common key means a common prefix)."""
+        old = self.slots[pick].blocks
+        return max(
+            (_common_prefix(s.blocks, old) for i, s in enumerate(self.slots) if i != pick),
+            default=0,
+        )
+
+    def shared_evictions(self, blocks: tuple[int, ...]) -> int:
+        """Blocks of a shared prefix that placing ``blocks`` here would overwrite and no other
+        slot keeps; nothing changes."""
+        pick, kept = self._pick(blocks)
+        shared = min(self.slots[pick].shared, len(self.slots[pick].blocks))
+        if shared <= kept:
+            return 0
+        return max(0, shared - max(kept, self._kept_elsewhere(pick)))
+
+    def note_shared(self, blocks: tuple[int, ...]) -> int:
+        """A request with ``blocks`` is being placed in the fleet: the prefix any slot here has
+        in common with it now serves two requests. Returns the longest such prefix."""
+        longest = 0
+        for s in self.slots:
+            m = _common_prefix(s.blocks, blocks)
+            if m > s.shared:
+                s.shared = m
+            longest = max(longest, m)
+        return longest
+
+    def choose(self, blocks: tuple[int, ...], now: float, shared: int = 0) -> SlotChoice:
+        """Pin a request with ``blocks`` to a slot; ``shared``: its leading blocks known to
+        serve other requests too."""
+        pick, kept = self._pick(blocks)
         slot = self.slots[pick]
         old = slot.blocks
-        kept = matches[pick]
-        slot.blocks = tuple(blocks)
+        slot.blocks = blocks
+        slot.shared = max(kept, min(shared, len(blocks)))
         slot.active += 1
         slot.last_used = now
         evicted: tuple[int, ...] = ()
@@ -107,13 +162,32 @@ class SlotBook:
         self, request_id: str, instance_id: str, blocks: Sequence[int], now: float
     ) -> SlotChoice | None:
         """The slot for a request placed on ``instance_id``; None when it is not a llama.cpp
-        instance with known slots (the engine then picks)."""
+        instance with known slots (the engine picks)."""
         inst = self.instances.get(instance_id)
         if inst is None or request_id in self._held:
             return None
-        choice = inst.choose(blocks, now)
+        blocks = tuple(blocks)
+        # Whatever prefix of it any slot of the fleet holds now serves two requests.
+        shared = max(i.note_shared(blocks) for i in self.instances.values())
+        choice = inst.choose(blocks, now, shared)
         self._held[request_id] = (instance_id, choice.slot)
         return choice
+
+    def shared_evictions(
+        self, blocks: Sequence[int], instance_ids: Iterable[str]
+    ) -> dict[str, int]:
+        """Per llama.cpp instance among ``instance_ids``: the shared prefix blocks placing
+        ``blocks`` there would overwrite (``InstanceSlots.shared_evictions``); instances with
+        nothing to lose are left out."""
+        blocks = tuple(blocks)
+        out: dict[str, int] = {}
+        for iid in instance_ids:
+            inst = self.instances.get(iid)
+            if inst is not None:
+                lost = inst.shared_evictions(blocks)
+                if lost:
+                    out[iid] = lost
+        return out
 
     def release(self, request_id: str, now: float) -> None:
         held = self._held.pop(request_id, None)
