@@ -26,6 +26,7 @@ charges that recompute to the spill when it ranks the options.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,18 +47,19 @@ class SlotChoice:
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Leading blocks ``a`` and ``b`` share: a bisection on slice equality (C loops), since
-    placement asks this of every slot of every llama.cpp instance for each request."""
+    """Leading blocks ``a`` and ``b`` share. Block keys are chained (routing/hashing.py: a key
+    equal at position i means equal prompts up to i), so a bisection finds the first
+    difference in a few comparisons; placement asks this of every slot for each request."""
     n = min(len(a), len(b))
     if n == 0 or a[0] != b[0]:
         return 0
-    if a[:n] == b[:n]:
+    if a[n - 1] == b[n - 1]:
         return n
-    lo, hi = 1, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
+    lo, hi = 1, n - 1  # a[:lo] == b[:lo]; a[hi] != b[hi]
+    while lo < hi:
         mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
+        if a[mid] == b[mid]:
+            lo = mid + 1
         else:
             hi = mid
     return lo
@@ -72,17 +74,25 @@ class InstanceSlots:
     max_waiting: int = 3  # requests queued behind the running one before spilling to another slot
 
     def _pick(self, blocks: tuple[int, ...]) -> tuple[int, int]:
-        """The slot ``choose`` takes, and how many leading blocks of the prompt it holds."""
-        matches = [_common_prefix(s.blocks, blocks) for s in self.slots]
-        best = max(range(len(self.slots)), key=lambda i: (matches[i], -self.slots[i].active))
-        idle = [i for i, s in enumerate(self.slots) if s.active == 0]
-        crowded = self.slots[best].active > self.max_waiting and bool(idle)
-        if matches[best] >= self.min_match_blocks and not crowded:
-            pick = best
-        elif idle:
-            pick = min(idle, key=lambda i: self.slots[i].last_used)
-        else:
-            pick = min(range(len(self.slots)), key=lambda i: (self.slots[i].active, matches[i]))
+        """The slot ``choose`` takes, and how many leading blocks of the prompt it holds: the
+        longest match (the least busy of equals) unless more than ``max_waiting`` wait there
+        while a slot idles, else the least recently used idle slot, else the shortest queue.
+        One pass: placement asks this of every llama.cpp instance for each request."""
+        matches: list[int] = []
+        best, best_m, best_active = 0, -1, 0
+        lru, lru_t = -1, math.inf
+        for i, s in enumerate(self.slots):
+            m = _common_prefix(s.blocks, blocks)
+            matches.append(m)
+            if m > best_m or (m == best_m and s.active < best_active):
+                best, best_m, best_active = i, m, s.active
+            if s.active == 0 and s.last_used < lru_t:
+                lru, lru_t = i, s.last_used
+        if best_m >= self.min_match_blocks and not (best_active > self.max_waiting and lru >= 0):
+            return best, best_m
+        if lru >= 0:
+            return lru, matches[lru]
+        pick = min(range(len(self.slots)), key=lambda i: (self.slots[i].active, matches[i]))
         return pick, matches[pick]
 
     def _kept_elsewhere(self, pick: int) -> int:
@@ -97,6 +107,8 @@ class InstanceSlots:
     def shared_evictions(self, blocks: tuple[int, ...]) -> int:
         """Blocks of a shared prefix that placing ``blocks`` here would overwrite and no other
         slot keeps; nothing changes."""
+        if not any(s.shared for s in self.slots):
+            return 0
         pick, kept = self._pick(blocks)
         shared = min(self.slots[pick].shared, len(self.slots[pick].blocks))
         if shared <= kept:
