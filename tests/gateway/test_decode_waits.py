@@ -151,7 +151,7 @@ def test_through_the_proxy_a_request_waits_for_the_decode_that_finishes() -> Non
     from config.loader import settings_from_dict
     from gateway.app import build_app
     from routing.conductor import Conductor as Core
-    from tests.backends.test_drivers import StubEngine
+    from tests.backends.pd_stub import StubEngine
 
     async def run() -> tuple[list[tuple[str, int, float]], str]:
         p, d = StubEngine("prefill"), StubEngine("decode")

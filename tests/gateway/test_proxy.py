@@ -12,7 +12,7 @@ import pytest
 
 from config.settings import AdmissionMode, Settings, SLOSettings
 from gateway.stack import LiveStack, StackSpec
-from tests.backends.test_drivers import StubEngine
+from tests.backends.pd_stub import StubEngine
 
 
 @contextlib.asynccontextmanager

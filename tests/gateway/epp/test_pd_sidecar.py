@@ -13,7 +13,7 @@ import aiohttp
 from config.settings import KVConnector
 from gateway.epp.pd_sidecar import FALLBACK_HEADER, PREFILLER_HEADER, PdSidecar
 from gateway.epp.sidecar_cli import start_sidecar
-from tests.backends.test_drivers import KV_PARAMS, SSE, StubEngine
+from tests.backends.pd_stub import KV_PARAMS, SSE, StubEngine
 from tests.backends.test_http1 import RawServer
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 8, "stream": True}
