@@ -63,6 +63,9 @@ def pd_stack(vllm_install: EngineInstall, tmp_path_factory: pytest.TempPathFacto
         gateway = KvgateProcess(tmp_path_factory.mktemp("pd"), "kvgate", gw_port, config)
         try:
             warm_nixl_handshake(gateway.url)
+            # A stalled NIXL read can hold the prefill engine past three /health timeouts: it
+            # answers the warm-up, then sits out its two passing rechecks (a CI run's 503).
+            wait_for(lambda: all_instances_eligible(gateway.url), STALL_S, "both engines routed")
             yield PDStack(prefill, decode, gateway.url)
         finally:
             gateway.stop()
