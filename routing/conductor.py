@@ -169,9 +169,6 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             if decode_pool:
                 decode_pool = self.lora.candidates(req.lora, decode_pool)
             setup = self.lora.load_costs(req.lora, prefill_pool)
-        evicts = None
-        if self.slots.instances and routing.llamacpp_evict_weight > 0:
-            evicts = self.slots.shared_evictions(req.block_hashes, (i.id for i in prefill_pool))
         match = self.index.match(req.block_hashes, now)
         predicted_output = self.output_lengths.predict(req.output_key, req.max_tokens)
         estimator = TTFTEstimator(
@@ -186,7 +183,7 @@ class Conductor(RequestProgress, CacheViewEvents, ParkedRequests, FleetMembershi
             transfer_allowed=self.settings.replication.enabled
             and len(self.planner.in_flight) < self.settings.replication.max_in_flight,
             setup_s=setup,
-            evict_blocks=evicts,
+            slots=self.slots if self.slots.instances else None,
             evict_weight=routing.llamacpp_evict_weight,
         )
         ctx = PlacementContext(

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from routing.instance_books import InstanceState
+from routing.llamacpp_slots import SlotBook
 from routing.types import PrefixMatch, RequestInfo
 
 STORE_SOURCE = "store"
@@ -67,13 +68,13 @@ class TTFTEstimator:
         "_holders",
         "_sources",
         "block_size",
-        "evict_blocks",
         "evict_weight",
         "match",
         "min_transfer_blocks",
         "now",
         "request",
         "setup_s",
+        "slots",
         "threshold",
         "transfer_allowed",
     )
@@ -90,7 +91,7 @@ class TTFTEstimator:
         holders: dict[str, InstanceState],
         transfer_allowed: bool = True,
         setup_s: dict[str, float] | None = None,
-        evict_blocks: dict[str, int] | None = None,
+        slots: SlotBook | None = None,
         evict_weight: float = 1.0,
     ) -> None:
         self.request = request
@@ -103,9 +104,10 @@ class TTFTEstimator:
         # Per instance, what it must load before this prefill can run besides KV (a LoRA
         # adapter not in host memory); counted as load, so it is booked as the engine's work.
         self.setup_s = setup_s
-        # Per instance, the shared prefix blocks placing here would overwrite (a llama.cpp
-        # slot), charged at ``evict_weight`` times their recompute when options are ranked.
-        self.evict_blocks = evict_blocks
+        # llama.cpp instances' slots: the shared prefix a placement would overwrite there is
+        # charged at ``evict_weight`` times its recompute when options are ranked. Asked only
+        # for the instances a policy estimates (none for round_robin, fewer after pruning).
+        self.slots = slots
         self.evict_weight = evict_weight
         self._holders = holders
         self._cache: dict[tuple[int, int], float] = {}
@@ -154,7 +156,9 @@ class TTFTEstimator:
 
     def evict_time(self, inst: InstanceState) -> float:
         """The recompute of the shared prefix placing here destroys (0 for most engines)."""
-        lost = self.evict_blocks.get(inst.id, 0) if self.evict_blocks else 0
+        if self.slots is None or self.evict_weight <= 0:
+            return 0.0
+        lost = self.slots.shared_evictions(inst.id, self.request.block_hashes)
         if not lost:
             return 0.0
         tokens = lost * self.block_size

@@ -27,7 +27,7 @@ charges that recompute to the spill when it ranks the options.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -185,21 +185,11 @@ class SlotBook:
         self._held[request_id] = (instance_id, choice.slot)
         return choice
 
-    def shared_evictions(
-        self, blocks: Sequence[int], instance_ids: Iterable[str]
-    ) -> dict[str, int]:
-        """Per llama.cpp instance among ``instance_ids``: the shared prefix blocks placing
-        ``blocks`` there would overwrite (``InstanceSlots.shared_evictions``); instances with
-        nothing to lose are left out."""
-        blocks = tuple(blocks)
-        out: dict[str, int] = {}
-        for iid in instance_ids:
-            inst = self.instances.get(iid)
-            if inst is not None:
-                lost = inst.shared_evictions(blocks)
-                if lost:
-                    out[iid] = lost
-        return out
+    def shared_evictions(self, instance_id: str, blocks: Sequence[int]) -> int:
+        """The shared prefix blocks placing ``blocks`` on ``instance_id`` would overwrite
+        (``InstanceSlots.shared_evictions``); 0 where kvgate knows no slots."""
+        inst = self.instances.get(instance_id)
+        return inst.shared_evictions(tuple(blocks)) if inst is not None else 0
 
     def release(self, request_id: str, now: float) -> None:
         held = self._held.pop(request_id, None)

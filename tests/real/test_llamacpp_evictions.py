@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from dataclasses import replace
 
 import aiohttp
 import pytest
-import uvicorn
 
 from config.settings import EngineKind, InstanceSettings, PoolSettings, Role, Settings
-from gateway.app import GatewayApp, build_app
+from gateway.app import build_app
+from tests.gateway.live import serving
 from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
 
@@ -70,23 +69,6 @@ def _settings(engines: list[EngineProcess], weight: float) -> Settings:
     )
 
 
-@asynccontextmanager
-async def _gateway(settings: Settings) -> AsyncIterator[tuple[GatewayApp, str]]:
-    app = build_app(settings)
-    (port,) = free_ports(1, 18850, 18900)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield app, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-
-
 async def _send(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> tuple[str, int]:
     """The instance kvgate placed the prompt on, and the tokens that engine found cached."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
@@ -100,7 +82,8 @@ async def _send(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> tuple[
 
 async def _sequence(engines: list[EngineProcess], weight: float) -> dict[str, tuple[str, int]]:
     a, u, c = _ids(1, PREFIX), _ids(2, PREFIX), _ids(3, PREFIX)
-    async with _gateway(_settings(engines, weight)) as (app, url), aiohttp.ClientSession() as s:
+    app = build_app(_settings(engines, weight))
+    async with serving(app) as url, aiohttp.ClientSession() as s:
         book = app.gateway.slot_book
         for _ in range(200):  # the slot layout comes with the first /slots scrape
             if {"l0", "l1"} <= book.instances.keys():

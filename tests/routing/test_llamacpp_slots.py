@@ -117,9 +117,9 @@ def test_a_prefix_reused_by_a_second_request_is_shared_and_its_slot_would_lose_i
     slots = book.instances["i"].slots
     assert [s.blocks[:4] for s in slots] == [B, (50, 51)]
     assert [s.shared for s in slots] == [4, 0]  # B's blocks, not the tail of its last request
-    assert book.shared_evictions((77, 78), ["i"]) == {"i": 4}
+    assert book.shared_evictions("i", (77, 78)) == 4
     # A request for B itself reuses the slot: nothing is lost.
-    assert book.shared_evictions((*B, 22), ["i"]) == {}
+    assert book.shared_evictions("i", (*B, 22)) == 0
 
 
 def test_nothing_is_lost_where_no_prefix_was_shared_or_another_slot_keeps_it():
@@ -127,7 +127,8 @@ def test_nothing_is_lost_where_no_prefix_was_shared_or_another_slot_keeps_it():
     book.set_slots("i", 2)
     book.assign("a", "i", (1, 2), 0.0)
     book.release("a", 1.0)
-    assert book.shared_evictions((7, 8), ["i", "unknown"]) == {}  # A served one request
+    assert book.shared_evictions("i", (7, 8)) == 0  # A served one request
+    assert book.shared_evictions("unknown", (7, 8)) == 0
     book = _book_with_shared_b()
     rids = [f"b{k}" for k in range(3, 8)]
     for k, rid in enumerate(rids):  # pinned to B's slot until 3 wait, then B spills over
@@ -135,7 +136,7 @@ def test_nothing_is_lost_where_no_prefix_was_shared_or_another_slot_keeps_it():
     for rid in rids:
         book.release(rid, 7.0)
     assert all(s.blocks[:4] == B for s in book.instances["i"].slots)
-    assert book.shared_evictions((77,), ["i"]) == {}  # the other copy of B stays
+    assert book.shared_evictions("i", (77,)) == 0  # the other copy of B stays
 
 
 def test_a_prefix_found_on_another_instance_counts_as_shared():
@@ -148,7 +149,7 @@ def test_a_prefix_found_on_another_instance_counts_as_shared():
     book.release("b", 3.0)
     assert book.instances["i"].slots[0].shared == 4
     assert book.instances["j"].slots[0].shared == 4
-    assert book.shared_evictions((77,), ["i", "j"]) == {"i": 4, "j": 4}
+    assert [book.shared_evictions(i, (77,)) for i in "ij"] == [4, 4]
 
 
 def _slot_conductor(weight: float) -> Conductor:
