@@ -23,7 +23,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import uvicorn
 
 from config.settings import (
     AdmissionMode,
@@ -34,6 +33,7 @@ from config.settings import (
     Settings,
 )
 from gateway.app import GatewayApp, build_app
+from tests.gateway.live import serving
 from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
 
@@ -88,18 +88,8 @@ async def _gateway(
     best_effort: bool = True,
 ) -> AsyncIterator[tuple[GatewayApp, str]]:
     app = build_app(_settings(engine, slot_affinity, ttft_slo_s, best_effort))
-    (port,) = free_ports(1, 18350, 18400)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield app, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serving(app) as url:
+        yield app, url
 
 
 async def _complete(
