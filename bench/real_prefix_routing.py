@@ -216,7 +216,13 @@ async def drive(
     # whether the online refits ran, and the gateway's own TTFT error over the run
     out.predictors = {k: learned.get(k) for k in ("refits", "last_refit_kind", "ttft_mape_pct")}
     for line in text.splitlines():
-        if line.startswith(("kvgate_cache_hit_ratio", "kvgate_engine_cache_hit_ratio")):
+        if line.startswith(
+            (
+                "kvgate_cache_hit_ratio",
+                "kvgate_engine_cache_hit_ratio",
+                "kvgate_llamacpp_slot_files_total",
+            )
+        ):
             name, _, value = line.rpartition(" ")
             out.gateway_metrics[name] = float(value)
     return out
@@ -230,6 +236,7 @@ def gateway_config(
     model_dir: str | None,
     refit_interval_s: float = 0.0,
     admission: str = "none",
+    slot_save_path: Path | None = None,
 ) -> str:
     lines = [
         "[server]",
@@ -240,6 +247,7 @@ def gateway_config(
         "[routing]",
         f'policy = "{policy}"',
         *([f'model_dir = "{model_dir}"'] if model_dir else []),
+        *([f'llamacpp_slot_save_path = "{slot_save_path}"'] if slot_save_path else []),
         "[admission]",
         f'mode = "{admission}"',
         "[replication]",
@@ -283,6 +291,11 @@ def start_engines(
 
 def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -> dict[str, Any]:
     extra = shlex.split(args.engine_args)
+    slot_dir = None
+    if args.slot_files and args.engine == "llamacpp":  # a fresh directory per run
+        slot_dir = tmp / f"{policy}-slot-files"
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        extra += ["--slot-save-path", str(slot_dir)]
     engines = start_engines(args.engine, args.instances, tmp, args.slots, extra)
     try:
         port = free_port()
@@ -292,7 +305,13 @@ def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -
         model_dir = str(first) if args.engine == "vllm" and first is not None else None
         cfg.write_text(
             gateway_config(
-                engines, policy, port, args.extra_config, model_dir, args.refit_interval_s
+                engines,
+                policy,
+                port,
+                args.extra_config,
+                model_dir,
+                args.refit_interval_s,
+                slot_save_path=slot_dir,
             )
         )
         with kvgate_front(args.front, cfg, port, tmp / policy) as (url, admin):
@@ -327,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-args", default="", help="extra engine arguments, shell-quoted")
     p.add_argument("--extra-config", default="", help="TOML lines added to the gateway config")
     p.add_argument(
+        "--slot-files",
+        action="store_true",
+        help="llama.cpp: start the engines with --slot-save-path (a fresh directory per run) "
+        "and give kvgate the same directory (routing.llamacpp_slot_save_path)",
+    )
+    p.add_argument(
         "--refit-interval-s",
         type=float,
         default=0.0,
@@ -358,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "concurrency": args.concurrency,
         "refit_interval_s": args.refit_interval_s,
+        "slot_files": args.slot_files,
         "bound_request_hit_fraction": wl.bound_hit_fraction(),
         "runs": [],
     }

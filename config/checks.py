@@ -84,6 +84,8 @@ def _check_routing(c: Checker, r: RoutingSettings) -> None:
     c.at_least("routing.min_transfer_blocks", r.min_transfer_blocks, 0)
     c.at_least("routing.llamacpp_slot_max_waiting", r.llamacpp_slot_max_waiting, 0)
     c.at_least("routing.llamacpp_evict_weight", r.llamacpp_evict_weight, 0.0)
+    c.non_empty("routing.llamacpp_slot_save_path", r.llamacpp_slot_save_path)
+    c.at_least("routing.llamacpp_slot_files_max", r.llamacpp_slot_files_max, 1)
     c.at_least("routing.lora_cpu_adapters", r.lora_cpu_adapters, 0)
     c.at_least("routing.lora_load_s", r.lora_load_s, 0)
     c.positive("routing.predict_on_route_ttl_s", r.predict_on_route_ttl_s)

@@ -215,6 +215,13 @@ class RoutingSettings:
     # only, never a predicted TTFT. 0 = off: the least TTFT alone, which spills a hot prompt's
     # repeats into other engines' slots (docs/real-engines.md section 3).
     llamacpp_evict_weight: float = 1.0
+    # The directory the llama-servers were started with as ``--slot-save-path`` (all of them,
+    # and kvgate must see it: one host or a shared filesystem). Set, a slot's shared prefix is
+    # saved there once and loaded back into whichever slot a later request for it gets, instead
+    # of recomputed (gateway/slot_files.py); at most llamacpp_slot_files_max files, the least
+    # recently used deleted. None = off.
+    llamacpp_slot_save_path: str | None = None
+    llamacpp_slot_files_max: int = 32
 
 
 @dataclass(frozen=True, slots=True)

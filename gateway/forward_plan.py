@@ -59,6 +59,7 @@ async def open_legs(
     """The decision's legs opened with the pool's driver (a traced span when tracing is on);
     raises UpstreamError, or CancelledError when the client leaves meanwhile."""
     plan = forward_plan(gw, parsed, path, raw, d)
+    await gw.restore_slot(parsed.info.request_id)  # a llama.cpp slot file, where one is due
     if gw.tracing.enabled:
         with gw.tracing.tracer.start_as_current_span("kvgate.legs.open"):
             upstream = await gw.driver.open(gw.session, plan)  # type: ignore[arg-type]

@@ -180,6 +180,13 @@ class GatewayMetrics:
             "slot that held them",
             registry=r,
         )
+        self.slot_files = Counter(
+            "kvgate_llamacpp_slot_files_total",
+            "llama.cpp slot files (routing.llamacpp_slot_save_path, gateway/slot_files.py), by "
+            "event: saved, restored, deleted, and save_failed / restore_failed / delete_failed",
+            ["event"],
+            registry=r,
+        )
         self.tokenized_ahead = Counter(
             "kvgate_prompts_tokenized_ahead",
             "Long prompts given to a worker thread to tokenize (gateway/tokenize_ahead.py), by "

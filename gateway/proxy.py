@@ -357,7 +357,7 @@ class CompletionHandler:
             if feedback is not None:
                 gw.metrics.cache_feedback(feedback)
             # Counted once answered: a refused or failed attempt cached nothing.
-            gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
+            gw.metrics.placed(d.prompt_tokens, gw.cached_tokens(d))
             gw.conductor.finished(
                 rid, now, output_tokens=tokens or None, decode_timed=parsed.stream
             )

@@ -44,6 +44,8 @@ RESTART_KEYS: tuple[tuple[str, str | None], ...] = (
     ("routing", "lora_adapters"),
     ("routing", "chars_per_token"),
     ("routing", "llamacpp_slot_max_waiting"),
+    ("routing", "llamacpp_slot_save_path"),
+    ("routing", "llamacpp_slot_files_max"),
     ("replication", "sink"),
     ("predictors", None),
     ("models", None),

@@ -46,6 +46,7 @@ from gateway.replica_metrics import ReplicaExchangeCollector
 from gateway.replicator import EngineView, Replicator, TargetUrls
 from gateway.response_owners import ResponseOwners
 from gateway.silence import silence_timeout_s
+from gateway.slot_files import SlotFiles
 from gateway.tokenize_ahead import TokenizeAhead
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
@@ -102,6 +103,7 @@ class Gateway:
         )
         # llama.cpp instances: which slot each request is pinned to (filled as /slots is read)
         self.slot_book = self.conductor.slots
+        self.slot_files = self._slot_files(settings)
         # `kvgate epp` with P/D: Envoy reaches decode instances through their sidecars, so
         # that is what is probed (a dead sidecar would otherwise look healthy)
         self.health_via_sidecars = False
@@ -275,10 +277,45 @@ class Gateway:
         if choice.evicted:
             self.conductor.evict(instance_id, choice.evicted, now)
             self.metrics.slot_evicted.inc(len(choice.evicted))
+        if self.slot_files is not None:
+            self.slot_files.plan_restore(
+                request_id, instance_id, choice.slot, blocks, choice.matched_blocks
+            )
         return choice.slot
 
     def unpin_slot(self, request_id: str) -> None:
-        self.slot_book.release(request_id, self.clock())
+        released = self.slot_book.release(request_id, self.clock())
+        if self.slot_files is not None:
+            self.slot_files.forget(request_id)
+            if released is not None:
+                self.slot_files.slot_released(*released)
+
+    async def restore_slot(self, request_id: str) -> None:
+        """Load the slot file planned for this pinned request before it goes out."""
+        if self.slot_files is not None:
+            await self.slot_files.restore_before(request_id)
+
+    def cached_tokens(self, d: Decision) -> int:
+        """The prompt tokens ``d`` found cached: as placed, or more where a slot file was
+        loaded for it (a placement that does not price the store tier, round_robin's)."""
+        if self.slot_files is None:
+            return d.cached_tokens
+        restored = self.slot_files.restored_blocks(d.request_id) * self.conductor.block_size
+        return max(d.cached_tokens, min(restored, d.prompt_tokens))
+
+    def _slot_files(self, settings: Settings) -> SlotFiles | None:
+        r = settings.routing
+        if r.llamacpp_slot_save_path is None or not r.llamacpp_slot_affinity:
+            return None
+        return SlotFiles(
+            r.llamacpp_slot_save_path,
+            r.llamacpp_slot_files_max,
+            max(1, r.min_transfer_blocks),
+            self.conductor,
+            self.targets,
+            lambda: self.session,
+            lambda event: self.metrics.slot_files.labels(event).inc(),
+        )
 
     # ------------------------------------------------------------------ replication
     def _engine_block_tokens(self, instance_id: str) -> int | None:
@@ -389,6 +426,8 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await task
         await self.replicator.close()
+        if self.slot_files is not None:
+            await self.slot_files.close()
         if self.session is not None:
             await self.session.close()
         self.client.close()

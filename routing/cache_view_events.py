@@ -15,6 +15,7 @@ from collections.abc import Callable
 from routing.hotspot import HotspotPlanner
 from routing.instance_books import InstanceState
 from routing.kv_index import KVIndex
+from routing.llamacpp_slots import SlotBook
 from routing.types import BlockRemoved, BlockStored, KVEvent, ReplicationCommand, Tier
 
 
@@ -25,6 +26,7 @@ class CacheViewEvents:
     instances: dict[str, InstanceState]
     index: KVIndex
     planner: HotspotPlanner
+    slots: SlotBook
     _event_fed: set[str]
     prefix_evicted: Callable[[str, tuple[int, ...], float], None]  # RequestProgress's
 
@@ -48,6 +50,17 @@ class CacheViewEvents:
         llama.cpp slot it reused for another prompt); the instance stays feedback-corrected."""
         self.index.apply(instance_id, BlockRemoved(block_hashes), now)
         self.prefix_evicted(instance_id, block_hashes, now)
+
+    def store_changed(
+        self, event: BlockStored | BlockRemoved, prefix_key: int, stored: bool
+    ) -> None:
+        """The gateway wrote (``stored``) or deleted a file of the shared store tier holding
+        the prefix that ``prefix_key`` ends (a llama.cpp slot file, gateway/slot_files.py)."""
+        self.index.apply_store(event)
+        if stored:
+            self.slots.stored.add(prefix_key)
+        else:
+            self.slots.stored.discard(prefix_key)
 
     def replication_dropped(self, command_id: str) -> None:
         """A command that will not be executed (dry run): release its in-flight slot."""

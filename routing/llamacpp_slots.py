@@ -21,7 +21,8 @@ or found it in some slot of the fleet) that taking an idle slot overwrites and n
 that engine keeps. A placement that minimises TTFT alone spills a hot prompt's repeat into
 another engine's idle slot whenever the holder's wait exceeds a recompute, and the prompt that
 slot held is then recomputed at its next request (docs/real-engines.md section 3); the Conductor
-charges that recompute to the spill when it ranks the options.
+charges that recompute to the spill when it ranks the options. A prefix a slot file holds
+(``stored``, gateway/slot_files.py) is not charged: a restore brings it back.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class InstanceSlots:
     slots: list[SlotState]
     min_match_blocks: int = 1
     max_waiting: int = 3  # requests queued behind the running one before spilling to another slot
+    # End keys of shared prefixes a slot file holds (gateway/slot_files.py; the book's set):
+    # overwriting one costs a restore, not a recompute.
+    stored: set[int] = field(default_factory=set)
 
     def _pick(self, blocks: tuple[int, ...]) -> tuple[int, int]:
         """The slot ``choose`` takes, and how many leading blocks of the prompt it holds: the
@@ -111,7 +115,7 @@ class InstanceSlots:
             return 0
         pick, kept = self._pick(blocks)
         shared = min(self.slots[pick].shared, len(self.slots[pick].blocks))
-        if shared <= kept:
+        if shared <= kept or self.slots[pick].blocks[shared - 1] in self.stored:
             return 0
         return max(0, shared - max(kept, self._kept_elsewhere(pick)))
 
@@ -156,6 +160,7 @@ class SlotBook:
     min_match_blocks: int = 1
     max_waiting: int = 3
     instances: dict[str, InstanceSlots] = field(default_factory=dict)
+    stored: set[int] = field(default_factory=set)  # see InstanceSlots.stored
     _held: dict[str, tuple[str, int]] = field(default_factory=dict)  # request -> (instance, slot)
 
     def set_slots(self, instance_id: str, slots: int) -> None:
@@ -164,7 +169,10 @@ class SlotBook:
         if slots <= 0 or (cur is not None and len(cur.slots) == slots):
             return
         self.instances[instance_id] = InstanceSlots(
-            [SlotState() for _ in range(slots)], self.min_match_blocks, self.max_waiting
+            [SlotState() for _ in range(slots)],
+            self.min_match_blocks,
+            self.max_waiting,
+            self.stored,
         )
 
     def forget(self, instance_id: str) -> None:
@@ -191,13 +199,17 @@ class SlotBook:
         inst = self.instances.get(instance_id)
         return inst.shared_evictions(tuple(blocks)) if inst is not None else 0
 
-    def release(self, request_id: str, now: float) -> None:
+    def release(self, request_id: str, now: float) -> tuple[str, int, SlotState] | None:
+        """The request finished: its slot frees. Returns the instance, slot and the slot's
+        state after the release (None when the request held no slot)."""
         held = self._held.pop(request_id, None)
         if held is None:
-            return
+            return None
         inst = self.instances.get(held[0])
-        if inst is not None and held[1] < len(inst.slots):
-            inst.release(held[1], now)
+        if inst is None or held[1] >= len(inst.slots):
+            return None
+        inst.release(held[1], now)
+        return held[0], held[1], inst.slots[held[1]]
 
     @property
     def held(self) -> int:

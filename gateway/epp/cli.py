@@ -60,7 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_supported(settings) -> str | None:
     """Why this config cannot run behind Envoy, or None. P/D pools need a sidecar in front
     of every decode instance (``sidecar_url``: `kvgate pd-sidecar` or llm-d's pd-sidecar),
-    and vLLM's protocol (the sidecars speak vLLM's KV connectors, not SGLang's bootstrap)."""
+    and vLLM's protocol (the sidecars speak vLLM's KV connectors, not SGLang's bootstrap).
+    llama.cpp slot files need kvgate on the request path (a file is loaded before the request
+    goes out), which Envoy is."""
+    if settings.routing.llamacpp_slot_save_path is not None:
+        return (
+            "routing.llamacpp_slot_save_path: llama.cpp slot files are loaded by kvgate before "
+            "it forwards a request, and behind Envoy kvgate does not forward; use `kvgate serve`"
+        )
     for inst in settings.instances():
         if inst.role is Role.DECODE and inst.sidecar_url is None:
             return (

@@ -36,16 +36,11 @@ from gateway.app import GatewayApp, build_app
 from tests.gateway.live import serving
 from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
+from tests.real.llama_fleet import token_ids
 
 pytestmark = pytest.mark.real_engine
 
 SLOT_CTX = 2048
-VOCAB_HI = 7000  # below the tiny GGUF's vocabulary
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, VOCAB_HI) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +142,7 @@ def test_an_idle_engine_serves_a_prompt_too_long_for_the_slo_best_effort(
     async def run() -> tuple[int, dict[str, str], dict[str, Any], str]:
         gateway = _gateway(llama, ttft_slo_s=0.001)
         async with gateway as (_, url), aiohttp.ClientSession() as s:
-            body = {"model": "tiny", "prompt": _ids(7, 600), "max_tokens": 2}
+            body = {"model": "tiny", "prompt": token_ids(7, 600), "max_tokens": 2}
             async with s.post(url + "/v1/completions", json=body) as r:
                 answer = r.status, dict(r.headers), await r.json()
             async with s.get(url + "/metrics") as r:
@@ -166,7 +161,7 @@ def test_a_doomed_request_is_refused_and_its_prompt_warmed_in_the_engine(
     """The same 1 ms TTFT SLO with best effort off: the client hears 429 at once, and the
     prompt is prefilled on the idle engine all the same (admission.doomed_warmup), so that
     the next request sharing it finds it in the engine's own cache."""
-    prompt = _ids(8, 600)
+    prompt = token_ids(8, 600)
 
     async def run() -> tuple[int, dict[str, Any], str, int, dict[str, Any]]:
         gateway = _gateway(llama, ttft_slo_s=0.001, best_effort=False)
@@ -181,7 +176,7 @@ def test_a_doomed_request_is_refused_and_its_prompt_warmed_in_the_engine(
             in_flight = len(app.gateway.conductor.requests)
             # The next request sharing the prompt, straight to the engine (which picks the
             # slot holding the most similar prompt): what did the warm-up leave cached?
-            body = {"model": "tiny", "prompt": prompt + _ids(9, 20), "max_tokens": 2}
+            body = {"model": "tiny", "prompt": prompt + token_ids(9, 20), "max_tokens": 2}
             async with s.post(llama.url + "/v1/completions", json=body) as r:
                 again = await r.json()
         return status, refused, metrics, in_flight, again
@@ -194,7 +189,7 @@ def test_a_doomed_request_is_refused_and_its_prompt_warmed_in_the_engine(
 
 
 def test_a_prompt_longer_than_the_context_leaves_nothing_recorded(llama: EngineProcess) -> None:
-    too_long = _ids(99, SLOT_CTX + 500)
+    too_long = token_ids(99, SLOT_CTX + 500)
 
     async def run() -> list[tuple[int, dict[str, Any], tuple[int, int]]]:
         out = []
@@ -218,7 +213,7 @@ def test_a_prompt_longer_than_the_context_leaves_nothing_recorded(llama: EngineP
 def test_engine_reports_keep_kvgate_hit_ratio_close_to_the_engines(llama: EngineProcess) -> None:
     # Four ~600-token system prompts, two slots: the engine keeps about two of them, so a view
     # that never learned evictions would believe far more hits than the engine delivers.
-    systems = [_ids(s, 600) for s in range(4)]
+    systems = [token_ids(s, 600) for s in range(4)]
     rng = random.Random(7)
     order = [rng.choice((0, 0, 0, 1, 1, 2, 3)) for _ in range(30)]
 
@@ -227,7 +222,7 @@ def test_engine_reports_keep_kvgate_hit_ratio_close_to_the_engines(llama: Engine
         async with _gateway(llama) as (app, url), aiohttp.ClientSession() as s:
             for i, which in enumerate(order):
                 status, answer = await _complete(
-                    s, url, systems[which] + _ids(1000 + i, 40), stream=i % 2 == 1
+                    s, url, systems[which] + token_ids(1000 + i, 40), stream=i % 2 == 1
                 )
                 assert status == 200, answer
                 engine += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -260,16 +255,16 @@ PREFIX = 800  # tokens of each prefix in the slot collision scenario
 async def two_prefixes_then_a_collision(s: aiohttp.ClientSession, url: str, seed: int) -> int:
     """Prefix A into one slot, B into the other, two A requests together, then B again: the
     tokens the engine found cached for that last B (of its ``PREFIX`` tokens)."""
-    a, b = _ids(seed + 1, PREFIX), _ids(seed + 2, PREFIX)
+    a, b = token_ids(seed + 1, PREFIX), token_ids(seed + 2, PREFIX)
     for prompt in (a, b):
-        status, _ = await _complete(s, url, prompt + _ids(seed + 3, 20))
+        status, _ = await _complete(s, url, prompt + token_ids(seed + 3, 20))
         assert status == 200
     answers = await asyncio.gather(
-        _complete(s, url, a + _ids(seed + 4, 20), max_tokens=200),
-        _complete(s, url, a + _ids(seed + 5, 20)),
+        _complete(s, url, a + token_ids(seed + 4, 20), max_tokens=200),
+        _complete(s, url, a + token_ids(seed + 5, 20)),
     )
     assert [st for st, _ in answers] == [200, 200]
-    status, again = await _complete(s, url, b + _ids(seed + 6, 20))
+    status, again = await _complete(s, url, b + token_ids(seed + 6, 20))
     assert status == 200
     return again["usage"]["prompt_tokens_details"]["cached_tokens"]
 

@@ -32,10 +32,10 @@ from config.settings import (
 from gateway.app import build_app
 from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
+from tests.real.llama_fleet import VOCAB_HI
 
 pytestmark = pytest.mark.real_engine
 
-VOCAB_HI = 7000
 CLIENTS = 6
 RUN_S = 8.0
 KILL_AT_S = 2.5

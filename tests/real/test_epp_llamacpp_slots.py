@@ -16,7 +16,8 @@ import pytest
 from config.settings import AdmissionMode, EngineKind, InstanceSettings, Role, Settings
 from tests.gateway.epp.envoy_stack import envoy_stack, require_envoy
 from tests.real.engines import EngineProcess
-from tests.real.test_engine_feedback import PREFIX, _ids, two_prefixes_then_a_collision
+from tests.real.llama_fleet import token_ids
+from tests.real.test_engine_feedback import PREFIX, two_prefixes_then_a_collision
 from tests.real.test_engine_feedback import llama as llama  # the same 2-slot llama-server
 
 pytestmark = pytest.mark.real_engine
@@ -84,7 +85,7 @@ def test_streamed_answers_through_envoy_all_arrive(llama: EngineProcess, tmp_pat
         async with aiohttp.ClientSession() as s:
 
             async def one(i: int) -> tuple[int, bytes]:
-                body = {"model": "tiny", "prompt": _ids(800 + i % 3, 300), "max_tokens": 2}
+                body = {"model": "tiny", "prompt": token_ids(800 + i % 3, 300), "max_tokens": 2}
                 async with gate, s.post(f"{url}/v1/completions", json=body | STREAM) as r:
                     answer = await r.read()
                     return r.status, answer[-14:] if r.status == 200 else answer[:200]

@@ -13,28 +13,20 @@ Prompts are token ids from the tiny model's vocabulary: kvgate and the engine co
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Iterator
-from dataclasses import replace
 
 import aiohttp
 import pytest
 
-from config.settings import EngineKind, InstanceSettings, PoolSettings, Role, Settings
 from gateway.app import build_app
 from tests.gateway.live import serving
 from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
+from tests.real.llama_fleet import llama_settings, token_ids
 
 pytestmark = pytest.mark.real_engine
 
 PREFIX = 640  # tokens of A: 40 blocks of 16
-VOCAB_HI = 7000  # below the tiny GGUF's vocabulary
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, VOCAB_HI) for _ in range(n)]
 
 
 @pytest.fixture
@@ -50,25 +42,6 @@ def two_llamas(llamacpp_install: EngineInstall) -> Iterator[list[EngineProcess]]
             stop_engine(e)
 
 
-def _settings(engines: list[EngineProcess], weight: float) -> Settings:
-    base = Settings()
-    instances = tuple(
-        InstanceSettings(f"l{i}", e.url, Role.BOTH, engine=EngineKind.LLAMACPP)
-        for i, e in enumerate(engines)
-    )
-    return replace(
-        base,
-        routing=replace(
-            base.routing,
-            policy="kvcache_centric",
-            block_size=16,
-            llamacpp_evict_weight=weight,
-        ),
-        pools=(PoolSettings("llama", Role.BOTH, instances),),
-        server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),
-    )
-
-
 async def _send(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> tuple[str, int]:
     """The instance kvgate placed the prompt on, and the tokens that engine found cached."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
@@ -81,8 +54,8 @@ async def _send(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> tuple[
 
 
 async def _sequence(engines: list[EngineProcess], weight: float) -> dict[str, tuple[str, int]]:
-    a, u, c = _ids(1, PREFIX), _ids(2, PREFIX), _ids(3, PREFIX)
-    app = build_app(_settings(engines, weight))
+    a, u, c = token_ids(1, PREFIX), token_ids(2, PREFIX), token_ids(3, PREFIX)
+    app = build_app(llama_settings(engines, llamacpp_evict_weight=weight))
     async with serving(app) as url, aiohttp.ClientSession() as s:
         book = app.gateway.slot_book
         for _ in range(200):  # the slot layout comes with the first /slots scrape
@@ -92,11 +65,11 @@ async def _sequence(engines: list[EngineProcess], weight: float) -> dict[str, tu
         assert {"l0", "l1"} <= book.instances.keys(), "llama-server /slots never read"
         seen = {}
         for name, prompt in (
-            ("a1", a + _ids(11, 16)),  # both idle: the first instance
-            ("a2", a + _ids(12, 16)),  # A's holder: A now serves two requests
-            ("u", u + _ids(13, 16)),  # cold: the instance idle longest, l1
-            ("c", c + _ids(14, 16)),  # cold again: a tie, and l0 has idled longer
-            ("a3", a + _ids(15, 16)),
+            ("a1", a + token_ids(11, 16)),  # both idle: the first instance
+            ("a2", a + token_ids(12, 16)),  # A's holder: A now serves two requests
+            ("u", u + token_ids(13, 16)),  # cold: the instance idle longest, l1
+            ("c", c + token_ids(14, 16)),  # cold again: a tie, and l0 has idled longer
+            ("a3", a + token_ids(15, 16)),
         ):
             seen[name] = await _send(s, url, prompt)
         assert book.held == 0

@@ -43,21 +43,16 @@ from tests.real.engines import (
     start_vllm,
     stop_engine,
 )
+from tests.real.llama_fleet import token_ids
 from tests.real.replication_harness import complete, copy_hot_prefix, vllm_metric
 
 pytestmark = pytest.mark.real_engine
 
 BS = 16
 PREFIX_TOKENS = 1024  # 64 blocks: the hot system prompt
-VOCAB_HI = 7000  # below the tiny GGUF's 8000-token vocabulary (ids past it are refused)
 
 
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, VOCAB_HI) for _ in range(n)]
-
-
-PREFIX = _ids(1, PREFIX_TOKENS)
+PREFIX = token_ids(1, PREFIX_TOKENS)
 
 
 def _cached_total(url: str) -> float:
@@ -99,7 +94,7 @@ def _settings(src: EngineProcess, dst: EngineProcess) -> Settings:
 
 def _make_hot(src: EngineProcess) -> list[dict[str, Any]]:
     """Requests that share the prefix, sent to the first engine only."""
-    answers = [complete(src.url, PREFIX + _ids(10 + i, 40)) for i in range(3)]
+    answers = [complete(src.url, PREFIX + token_ids(10 + i, 40)) for i in range(3)]
     assert answers[0]["timings"]["cache_n"] == 0
     for later in answers[1:]:
         assert later["timings"]["cache_n"] >= PREFIX_TOKENS  # hot on the first engine
@@ -123,12 +118,12 @@ def _command(hashes: tuple[int, ...]) -> ReplicationCommand:
 def test_warmup_sink_copies_a_hot_prefix_to_a_second_llama_server(llama_pair) -> None:
     src, dst = llama_pair
     _make_hot(src)
-    cold = complete(dst.url, _ids(99, PREFIX_TOKENS + 40))  # a cold prompt of the same size
+    cold = complete(dst.url, token_ids(99, PREFIX_TOKENS + 40))  # a cold prompt of the same size
     hits_before = _cached_total(dst.url)
-    probe_before = _ids(20, 40)
+    probe_before = token_ids(20, 40)
 
     # What the gateway kept of the request that made the prefix hot.
-    prompt = PREFIX + _ids(10, 40)
+    prompt = PREFIX + token_ids(10, 40)
     hashes = BlockHasher(BS).hash_tokens(prompt)
     store = PrefixTokenStore(BS)
     store.remember(hashes, pack_token_ids(prompt), model="tiny")
@@ -171,7 +166,7 @@ def test_gateway_replicates_through_the_pools_warmup_sink(llama_pair) -> None:
     src, dst = llama_pair
     _make_hot(src)
     hits_before = _cached_total(dst.url)
-    prompt = PREFIX + _ids(11, 40)
+    prompt = PREFIX + token_ids(11, 40)
     raw = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8}).encode()
     settings = _settings(src, dst)
     settings = replace(settings, replication=replace(settings.replication, hot_rate_per_s=0.01))
@@ -181,7 +176,7 @@ def test_gateway_replicates_through_the_pools_warmup_sink(llama_pair) -> None:
     assert entry.sink == "warmup"
     assert entry.state == "confirmed", entry
     assert held_after  # held_before was False (copy_hot_prefix checks)
-    after = complete(dst.url, PREFIX + _ids(21, 40))
+    after = complete(dst.url, PREFIX + token_ids(21, 40))
     assert after["timings"]["cache_n"] >= PREFIX_TOKENS
     assert _cached_total(dst.url) - hits_before >= PREFIX_TOKENS
     print(

@@ -139,6 +139,25 @@ def test_nothing_is_lost_where_no_prefix_was_shared_or_another_slot_keeps_it():
     assert book.shared_evictions("i", (77,)) == 0  # the other copy of B stays
 
 
+def test_a_prefix_held_in_a_slot_file_costs_nothing_to_overwrite():
+    book = _book_with_shared_b()
+    assert book.shared_evictions("i", (77, 78)) == 4
+    book.stored.add(B[-1])  # gateway/slot_files.py saved it: a restore brings it back
+    assert book.shared_evictions("i", (77, 78)) == 0
+
+
+def test_release_reports_the_slot_it_freed():
+    book = SlotBook()
+    book.set_slots("i", 2)
+    choice = book.assign("r", "i", (*A, 5), 0.0)
+    assert choice is not None
+    released = book.release("r", 1.0)
+    assert released is not None
+    instance, slot, state = released
+    assert (instance, slot, state.blocks, state.active) == ("i", choice.slot, (*A, 5), 0)
+    assert book.release("r", 2.0) is None
+
+
 def test_a_prefix_found_on_another_instance_counts_as_shared():
     book = SlotBook()
     book.set_slots("i", 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 
 from config.settings import AdmissionMode
 from gateway.epp import protocol as pr
+from gateway.epp.cli import check_supported
 from gateway.epp.exchange import Exchange
 from gateway.epp.picker import Picker
 from gateway.runtime import Gateway
@@ -98,3 +100,12 @@ def test_an_engine_without_known_slots_gets_the_clients_bytes() -> None:
     assert "id_slot" not in json.loads(sent) and "content-length" not in headers
     assert json.loads(sent)["prompt"] == PROMPT_A
     assert pr.DESTINATION_HEADER in headers
+
+
+def test_slot_files_are_refused_behind_envoy(tmp_path) -> None:
+    """A slot file is loaded before kvgate forwards a request; behind Envoy it does not."""
+    s = _llama_gateway().settings
+    assert check_supported(s) is None
+    files = replace(s, routing=replace(s.routing, llamacpp_slot_save_path=str(tmp_path)))
+    why = check_supported(files)
+    assert why is not None and "llamacpp_slot_save_path" in why and "kvgate serve" in why

@@ -1,0 +1,193 @@
+"""llama.cpp slot files: a store tier for shared prefixes (``routing.llamacpp_slot_save_path``).
+
+A llama-server caches one prompt per slot; with eight hot system prompts on six slots the
+colder ones are overwritten and recomputed again and again (docs/real-engines.md section 3).
+Started with ``--slot-save-path DIR``, llama-server writes a slot's tokens and KV to a file in
+DIR and loads it back into any slot on request (backends/llamacpp_slot_api.py), and every
+llama-server of the model that shares DIR can load what another saved. kvgate uses that as
+the shared store tier of its cache view:
+
+- When kvgate's last request on a slot finishes and the slot's shared prefix (one that served
+  two requests, routing/llamacpp_slots.py) has no file yet, the slot is saved, named by the
+  prefix's end key; the prefix's blocks enter the store tier (placement may then price a load
+  from the store, and overwriting the slot costs no recompute any more).
+- A request pinned to a slot that holds less of its prompt than a saved prefix has that file
+  restored into the slot first, and finds the prefix cached.
+- At most ``routing.llamacpp_slot_files_max`` files: beyond it the least recently used is
+  deleted from DIR (kvgate must see DIR: one host, or a shared filesystem) and its blocks
+  leave the store tier.
+
+A failed save or restore costs only the recompute it would have saved (counted in
+``kvgate_llamacpp_slot_files_total``); the engine compares tokens, so a stale file is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from backends.legs import Target
+from backends.llamacpp_slot_api import SlotFileError, restore_slot, save_slot
+from routing.conductor import Conductor
+from routing.llamacpp_slots import SlotState
+from routing.types import BlockRemoved, BlockStored, Tier
+
+log = logging.getLogger(__name__)
+
+_KEY_MASK = (1 << 64) - 1
+SLOT_FILE_TIMEOUT_S = 30.0  # a save or restore waits for a busy slot to free
+
+
+def slot_file_name(key: int) -> str:
+    return f"kvgate-{key & _KEY_MASK:016x}.bin"
+
+
+@dataclass(slots=True)
+class _SavedPrefix:
+    filename: str
+    blocks: tuple[int, ...]  # the shared prefix's block keys, as the store tier holds them
+
+
+@dataclass(frozen=True, slots=True)
+class _Restore:
+    instance_id: str
+    slot: int
+    key: int
+    blocks: int  # leading blocks of the prompt the file holds
+
+
+class SlotFiles:
+    def __init__(
+        self,
+        save_path: str,
+        max_files: int,
+        min_blocks: int,
+        conductor: Conductor,
+        targets: Mapping[str, Target],
+        session: Callable[[], aiohttp.ClientSession | None],
+        count: Callable[[str], None],
+    ) -> None:
+        self.save_path = save_path
+        self.max_files = max_files
+        self.min_blocks = max(1, min_blocks)
+        self._conductor = conductor
+        self._targets = targets
+        self._session = session
+        self._count = count  # kvgate_llamacpp_slot_files_total{event}
+        self.saved: OrderedDict[int, _SavedPrefix] = OrderedDict()  # end key -> file, LRU first
+        self._saving: set[int] = set()
+        self._restores: dict[str, _Restore] = {}  # request id -> the file to load first
+        self._restored: dict[str, int] = {}  # request id -> prompt blocks a file brought in
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- saving ----
+    def slot_released(self, instance_id: str, slot: int, state: SlotState) -> None:
+        """kvgate's request on ``slot`` finished: save the slot's shared prefix if no file
+        holds it and no other request of kvgate's waits for the slot (it would overwrite the
+        slot before the save ran)."""
+        n = min(state.shared, len(state.blocks))
+        if state.active or n < self.min_blocks:
+            return
+        key = state.blocks[n - 1]
+        if key in self.saved:
+            self.saved.move_to_end(key)
+            return
+        if key in self._saving:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a synchronous caller): nothing to save with
+            return
+        self._saving.add(key)
+        task = loop.create_task(self._save(instance_id, slot, key, state.blocks[:n]))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _save(self, instance_id: str, slot: int, key: int, blocks: tuple[int, ...]) -> None:
+        target, session = self._targets.get(instance_id), self._session()
+        try:
+            if target is None or session is None:
+                return
+            name = slot_file_name(key)
+            await save_slot(session, target.url, slot, name, SLOT_FILE_TIMEOUT_S)
+        except SlotFileError as exc:
+            log.warning("llama.cpp slot save on %s failed: %s", instance_id, exc)
+            self._count("save_failed")
+            return
+        finally:
+            self._saving.discard(key)
+        self.saved[key] = _SavedPrefix(name, blocks)
+        self._conductor.store_changed(BlockStored(blocks, Tier.STORE), key, stored=True)
+        self._count("saved")
+        await self._bound()
+
+    async def _bound(self) -> None:
+        """Delete the least recently used files beyond ``max_files``."""
+        while len(self.saved) > self.max_files:
+            key, old = self.saved.popitem(last=False)
+            kept = {h for f in self.saved.values() for h in f.blocks}
+            gone = tuple(h for h in old.blocks if h not in kept)
+            self._conductor.store_changed(BlockRemoved(gone, Tier.STORE), key, stored=False)
+            path = os.path.join(self.save_path, old.filename)
+            try:
+                await asyncio.to_thread(os.unlink, path)
+                self._count("deleted")
+            except OSError as exc:
+                log.warning("could not delete llama.cpp slot file %s: %s", path, exc)
+                self._count("delete_failed")
+
+    # ---- restoring ----
+    def plan_restore(
+        self, request_id: str, instance_id: str, slot: int, blocks: Sequence[int], matched: int
+    ) -> None:
+        """The request was pinned to ``slot``, which holds ``matched`` leading blocks of it:
+        if a file holds a longer prefix, load it before the request goes out."""
+        if not self.saved:
+            return
+        for j in range(len(blocks) - 1, matched + self.min_blocks - 2, -1):
+            if blocks[j] in self.saved:
+                self._restores[request_id] = _Restore(instance_id, slot, blocks[j], j + 1)
+                return
+
+    async def restore_before(self, request_id: str) -> None:
+        """Load the file planned for this request into its slot (nothing if none was)."""
+        plan = self._restores.pop(request_id, None)
+        if plan is None:
+            return
+        saved = self.saved.get(plan.key)
+        target, session = self._targets.get(plan.instance_id), self._session()
+        if saved is None or target is None or session is None:
+            return
+        try:
+            await restore_slot(session, target.url, plan.slot, saved.filename, SLOT_FILE_TIMEOUT_S)
+        except SlotFileError as exc:
+            log.warning("llama.cpp slot restore on %s failed: %s", plan.instance_id, exc)
+            self._count("restore_failed")
+            return
+        if plan.key in self.saved:
+            self.saved.move_to_end(plan.key)
+        self._restored[request_id] = plan.blocks
+        self._count("restored")
+
+    def restored_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request's prompt a file loaded into its slot (asked once)."""
+        return self._restored.pop(request_id, 0)
+
+    def forget(self, request_id: str) -> None:
+        """The request is done, or will not go out."""
+        self._restores.pop(request_id, None)
+        self._restored.pop(request_id, None)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

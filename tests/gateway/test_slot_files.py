@@ -1,0 +1,203 @@
+"""llama.cpp slot files (gateway/slot_files.py) against a fake llama-server's slot API (an
+aiohttp server on 127.0.0.1) and a real Conductor: what is saved when, what enters and leaves
+the store tier, what is restored before a request, the bound on files, and failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from backends.legs import Target
+from gateway.slot_files import SlotFiles, slot_file_name
+from routing.conductor import Conductor
+from routing.llamacpp_slots import SlotState
+from routing.types import Tier
+from tests.routing.fleet import fleet_settings
+
+A = (11, 12, 13, 14)
+B = (21, 22, 23, 24)
+
+
+@dataclass
+class FakeSlotApi:
+    """``POST /slots/{id}?action=save|restore`` as llama-server answers them; writes the file
+    on save so that deletions can be checked; ``fail`` answers 500."""
+
+    directory: Path
+    calls: list[tuple[str, int, str]] = field(default_factory=list)
+    fail: bool = False
+
+    async def slots(self, request: web.Request) -> web.Response:
+        action, slot = request.query["action"], int(request.match_info["slot"])
+        name = (await request.json())["filename"]
+        self.calls.append((action, slot, name))
+        if self.fail:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if action == "save":
+            (self.directory / name).write_bytes(b"kv")
+            return web.json_response({"n_saved": 64, "n_written": 2, "timings": {"save_ms": 1}})
+        return web.json_response({"n_restored": 64, "n_read": 2, "timings": {"restore_ms": 1}})
+
+
+@dataclass
+class Harness:
+    files: SlotFiles
+    api: FakeSlotApi
+    conductor: Conductor
+    counts: dict[str, int]
+
+    async def settle(self) -> None:
+        """Until the saves (background tasks) are done."""
+        for _ in range(100):
+            if not self.files._tasks:
+                return
+            await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def _files(tmp_path: Path, max_files: int = 8) -> AsyncIterator[Harness]:
+    api = FakeSlotApi(tmp_path)
+    app = web.Application()
+    app.router.add_post("/slots/{slot}", api.slots)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    conductor = Conductor(fleet_settings(prefill=0, decode=0, colocated=2))
+    counts: dict[str, int] = {}
+    async with aiohttp.ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        targets = {i: Target(i, url) for i in ("c0", "c1")}
+        files = SlotFiles(
+            str(tmp_path),
+            max_files,
+            1,
+            conductor,
+            targets,
+            lambda: session,
+            lambda e: counts.__setitem__(e, counts.get(e, 0) + 1),
+        )
+        try:
+            yield Harness(files, api, conductor, counts)
+        finally:
+            await files.close()
+            await server.close()
+
+
+def _shared(blocks: tuple[int, ...], shared: int, active: int = 0) -> SlotState:
+    return SlotState(blocks=blocks, shared=shared, active=active)
+
+
+def test_a_shared_prefix_is_saved_once_and_enters_the_store_tier(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            files, api = h.files, h.api
+            files.slot_released("c0", 1, _shared((*A, 99), 4))
+            await h.settle()
+            files.slot_released("c1", 0, _shared((*A, 98), 4))  # the same prefix elsewhere
+            await h.settle()
+            assert api.calls == [("save", 1, slot_file_name(A[-1]))]
+            c = h.conductor
+            assert all(c.index.holds("", h, Tier.STORE) for h in A)
+            assert not c.index.holds("", 99, Tier.STORE)  # the tail is no shared prefix
+            assert A[-1] in c.slots.stored
+            assert c.index.match((*A, 50), 0.0).store_blocks == 4
+
+    asyncio.run(run())
+
+
+def test_nothing_is_saved_for_a_one_off_or_a_slot_another_request_waits_for(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            files, api = h.files, h.api
+            files.slot_released("c0", 0, _shared((*A, 99), 0))  # never reused
+            files.slot_released("c0", 1, _shared((*B, 99), 4, active=1))  # about to change
+            await h.settle()
+            assert api.calls == []
+
+    asyncio.run(run())
+
+
+def test_a_request_pinned_to_a_slot_without_the_prefix_restores_it_first(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            files, api = h.files, h.api
+            files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await h.settle()
+            files.plan_restore("r1", "c1", 1, (*A, 7, 8), matched=0)
+            files.plan_restore("r2", "c0", 0, (*A, 9), matched=4)  # the slot holds A already
+            files.plan_restore("r3", "c0", 1, (*B, 9), matched=0)  # nothing saved for B
+            for rid in ("r1", "r2", "r3"):
+                await files.restore_before(rid)
+            assert api.calls[1:] == [("restore", 1, slot_file_name(A[-1]))]
+            assert h.counts == {"saved": 1, "restored": 1}
+            assert [files.restored_blocks(r) for r in ("r1", "r2", "r1")] == [4, 0, 0]
+
+    asyncio.run(run())
+
+
+def test_beyond_the_bound_the_least_recently_used_file_is_deleted(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with _files(tmp_path, max_files=1) as h:
+            files = h.files
+            files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await h.settle()
+            files.slot_released("c0", 1, _shared((*B, 99), 4))
+            await h.settle()
+            c = h.conductor
+            assert list(files.saved) == [B[-1]]
+            assert sorted(p.name for p in tmp_path.iterdir()) == [slot_file_name(B[-1])]
+            assert not any(c.index.holds("", h, Tier.STORE) for h in A)
+            assert A[-1] not in c.slots.stored and B[-1] in c.slots.stored
+
+    asyncio.run(run())
+
+
+def test_a_failed_save_or_restore_changes_nothing_but_a_counter(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            files, api = h.files, h.api
+            files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await h.settle()
+            api.fail = True
+            files.slot_released("c0", 1, _shared((*B, 99), 4))
+            await h.settle()
+            files.plan_restore("r", "c1", 0, (*A, 1), matched=0)
+            await files.restore_before("r")
+            c = h.conductor
+            assert list(files.saved) == [A[-1]]
+            assert not c.index.holds("", B[0], Tier.STORE)
+            assert h.counts == {
+                "saved": 1,
+                "save_failed": 1,
+                "restore_failed": 1,
+            }
+
+    asyncio.run(run())
+
+
+def test_file_names_are_plain_hex_of_the_key():
+    assert slot_file_name(-1) == "kvgate-ffffffffffffffff.bin"
+    assert slot_file_name(255) == "kvgate-00000000000000ff.bin"
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "a b", ""])
+def test_an_unsafe_file_name_is_refused_before_any_request(name: str) -> None:
+    from backends.llamacpp_slot_api import SlotFileError, save_slot
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as s:
+            await save_slot(s, "http://127.0.0.1:9", 0, name, 1.0)
+
+    with pytest.raises(SlotFileError, match="unsafe"):
+        asyncio.run(run())

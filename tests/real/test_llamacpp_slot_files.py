@@ -1,0 +1,161 @@
+"""llama.cpp slot files (gateway/slot_files.py, backends/llamacpp_slot_api.py) against real
+llama-servers started with ``--slot-save-path``: a shared prefix overwritten in the engine's only
+slot comes back from its file instead of being recomputed, and a file one engine saved loads
+into another that shares the directory.
+
+One engine, one slot: A twice (A is now shared; kvgate saves the slot once the second request
+finishes), then a cold B overwrites the slot, then A again: with slot files the engine reports
+A's tokens cached (kvgate loaded the file into the slot first); without them (the control arm)
+it recomputes A. Prompts are token ids from the tiny model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from backends.llamacpp_slot_api import SlotFileError, restore_slot, save_slot
+from gateway.app import build_app
+from tests.gateway.live import serving
+from tests.real.conftest import EngineInstall
+from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
+from tests.real.llama_fleet import llama_settings, token_ids
+
+pytestmark = pytest.mark.real_engine
+
+PREFIX = 640  # tokens of A: 40 blocks of 16
+
+
+@pytest.fixture
+def llamas(llamacpp_install: EngineInstall, tmp_path: Path) -> Iterator[list[EngineProcess]]:
+    """Two fresh one-slot engines sharing one save directory (``tmp_path``)."""
+    engines: list[EngineProcess] = []
+    try:
+        for port in free_ports(2, 18850, 18900):
+            engines.append(
+                start_llama_server(
+                    port,
+                    slots=1,
+                    ctx=2048,
+                    cache_ram_mib=0,
+                    extra_args=("--slot-save-path", str(tmp_path)),
+                )
+            )
+        yield engines
+    finally:
+        for e in engines:
+            stop_engine(e)
+
+
+async def _send(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> int:
+    """The tokens the engine found cached for the prompt."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    async with s.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        answer = await r.json()
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def _sequence(engine: EngineProcess, save_path: Path | None) -> dict[str, int]:
+    a, b = token_ids(1, PREFIX), token_ids(2, PREFIX)
+    app = build_app(
+        llama_settings(
+            [engine], llamacpp_slot_save_path=None if save_path is None else str(save_path)
+        )
+    )
+    async with serving(app) as url, aiohttp.ClientSession() as s:
+        book = app.gateway.slot_book
+        for _ in range(200):  # the slot layout comes with the first /slots scrape
+            if "l0" in book.instances:
+                break
+            await asyncio.sleep(0.05)
+        assert "l0" in book.instances, "llama-server /slots never read"
+        seen = {}
+        seen["a1"] = await _send(s, url, a + token_ids(11, 16))
+        seen["a2"] = await _send(s, url, a + token_ids(12, 16))  # A is shared now
+        files = app.gateway.slot_files
+        if save_path is not None:
+            assert files is not None
+            for _ in range(200):  # saved once the second request finished
+                if files.saved:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(files.saved) == 1, "no slot file saved"
+        seen["b"] = await _send(s, url, b + token_ids(13, 16))  # overwrites the only slot
+        seen["a3"] = await _send(s, url, a + token_ids(14, 16))
+        assert book.held == 0
+        metrics = await (await s.get(url + "/metrics")).text()
+        seen["restored"] = int(
+            _counter(metrics, 'kvgate_llamacpp_slot_files_total{event="restored"}')
+        )
+        return seen
+
+
+def _counter(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("files", [True, False], ids=["slot_files", "control"])
+def test_an_overwritten_shared_prefix_comes_back_from_its_slot_file(
+    llamas: list[EngineProcess], tmp_path: Path, files: bool
+) -> None:
+    seen = asyncio.run(_sequence(llamas[0], tmp_path if files else None))
+    assert seen["a2"] >= PREFIX - 16, seen  # the engine reused A from its slot
+    assert seen["b"] < 16, seen
+    if files:
+        assert len(list(tmp_path.glob("kvgate-*.bin"))) == 1
+        assert seen["restored"] == 1, seen
+        assert seen["a3"] >= PREFIX - 16, seen  # loaded from the file, not recomputed
+    else:
+        assert not list(tmp_path.glob("kvgate-*.bin"))
+        assert seen["a3"] < PREFIX // 2, seen
+
+
+def test_a_file_one_engine_saved_loads_into_another_sharing_the_directory(
+    llamas: list[EngineProcess],
+) -> None:
+    """What cross-engine restores rest on, asked of the engines themselves."""
+    a = token_ids(1, PREFIX)
+
+    async def run() -> tuple[int, int, int]:
+        async with aiohttp.ClientSession() as s:
+            body = {
+                "prompt": a + token_ids(21, 16),
+                "n_predict": 2,
+                "id_slot": 0,
+                "cache_prompt": True,
+            }
+            async with s.post(llamas[0].url + "/completion", json=body) as r:
+                assert r.status == 200, await r.text()
+            saved = await save_slot(s, llamas[0].url, 0, "shared-a.bin", 30.0)
+            restored = await restore_slot(s, llamas[1].url, 0, "shared-a.bin", 30.0)
+            body = {
+                "prompt": a + token_ids(22, 16),
+                "n_predict": 2,
+                "id_slot": 0,
+                "cache_prompt": True,
+            }
+            async with s.post(llamas[1].url + "/completion", json=body) as r:
+                assert r.status == 200, await r.text()
+                cached = (await r.json())["timings"]["cache_n"]
+            return saved.tokens, restored.tokens, cached
+
+    saved, restored, cached = asyncio.run(run())
+    assert saved == restored >= PREFIX + 16
+    assert cached >= PREFIX  # l1 computed none of A
+
+
+def test_a_refused_restore_is_a_clear_error(llamas: list[EngineProcess]) -> None:
+    async def run() -> None:
+        async with aiohttp.ClientSession() as s:
+            await restore_slot(s, llamas[0].url, 0, "no-such-file.bin", 30.0)
+
+    with pytest.raises(SlotFileError, match="restore slot 0"):
+        asyncio.run(run())
