@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 _KEY_MASK = (1 << 64) - 1
 SLOT_FILE_TIMEOUT_S = 30.0  # a save or restore waits for a busy slot to free
+# After a failed save, that engine is not asked to save again for this long: an engine started
+# without --slot-save-path refuses every save, and each request would otherwise try (and log).
+SAVE_BACKOFF_S = 60.0
 
 
 def slot_file_name(key: int) -> str:
@@ -83,6 +86,7 @@ class SlotFiles:
         self._count = count  # kvgate_llamacpp_slot_files_total{event}
         self.saved: OrderedDict[int, _SavedPrefix] = OrderedDict()  # end key -> file, LRU first
         self._saving: set[int] = set()
+        self._no_saves_until: dict[str, float] = {}  # instance -> loop time (SAVE_BACKOFF_S)
         self._restores: dict[str, _Restore] = {}  # request id -> the file to load first
         self._restored: dict[str, int] = {}  # request id -> prompt blocks a file brought in
         self._tasks: set[asyncio.Task[None]] = set()
@@ -105,6 +109,8 @@ class SlotFiles:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop (a synchronous caller): nothing to save with
             return
+        if self._no_saves_until.get(instance_id, 0.0) > loop.time():
+            return
         self._saving.add(key)
         task = loop.create_task(self._save(instance_id, slot, key, state.blocks[:n]))
         self._tasks.add(task)
@@ -118,7 +124,15 @@ class SlotFiles:
             name = slot_file_name(key)
             await save_slot(session, target.url, slot, name, SLOT_FILE_TIMEOUT_S)
         except SlotFileError as exc:
-            log.warning("llama.cpp slot save on %s failed: %s", instance_id, exc)
+            log.warning(
+                "llama.cpp slot save on %s failed (no saves there for %g s; was it started "
+                "with --slot-save-path %s?): %s",
+                instance_id,
+                SAVE_BACKOFF_S,
+                self.save_path,
+                exc,
+            )
+            self._no_saves_until[instance_id] = asyncio.get_running_loop().time() + SAVE_BACKOFF_S
             self._count("save_failed")
             return
         finally:

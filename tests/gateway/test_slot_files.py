@@ -186,6 +186,24 @@ def test_a_failed_save_or_restore_changes_nothing_but_a_counter(tmp_path: Path) 
     asyncio.run(run())
 
 
+def test_an_engine_that_refused_a_save_is_not_asked_again_for_a_while(tmp_path: Path) -> None:
+    """An engine started without --slot-save-path refuses every save: one try, not one per
+    request."""
+
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            h.api.fail = True
+            h.files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await h.settle()
+            h.files.slot_released("c0", 1, _shared((*B, 99), 4))  # the same engine: skipped
+            h.files.slot_released("c1", 0, _shared((*B, 98), 4))  # another engine: tried
+            await h.settle()
+            assert [(c[0], c[1]) for c in h.api.calls] == [("save", 0), ("save", 0)]
+            assert h.counts == {"save_failed": 2}
+
+    asyncio.run(run())
+
+
 def test_file_names_are_plain_hex_of_the_key():
     assert slot_file_name(-1) == "kvgate-ffffffffffffffff.bin"
     assert slot_file_name(255) == "kvgate-00000000000000ff.bin"
