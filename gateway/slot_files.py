@@ -162,13 +162,17 @@ class SlotFiles:
         self, request_id: str, instance_id: str, slot: int, blocks: Sequence[int], matched: int
     ) -> None:
         """The request was pinned to ``slot``, which holds ``matched`` leading blocks of it:
-        if a file holds a longer prefix, load it before the request goes out."""
-        if not self.saved:
-            return
-        for j in range(len(blocks) - 1, matched + self.min_blocks - 2, -1):
-            if blocks[j] in self.saved:
-                self._restores[request_id] = _Restore(instance_id, slot, blocks[j], j + 1)
-                return
+        if a file holds a longer prefix, load it before the request goes out. Asks each file
+        (at most ``max_files``) whether the prompt has its end key where it ends, instead of
+        looking up every block of a long prompt."""
+        best = matched + self.min_blocks - 1  # a file must bring at least min_blocks more
+        key = None
+        for k, f in self.saved.items():
+            n = len(f.blocks)
+            if best < n <= len(blocks) and blocks[n - 1] == k:
+                best, key = n, k
+        if key is not None:
+            self._restores[request_id] = _Restore(instance_id, slot, key, best)
 
     async def restore_before(self, request_id: str) -> None:
         """Load the file planned for this request into its slot (nothing if none was)."""

@@ -124,27 +124,19 @@ def test_a_file_one_engine_saved_loads_into_another_sharing_the_directory(
     """What cross-engine restores rest on, asked of the engines themselves."""
     a = token_ids(1, PREFIX)
 
+    async def in_slot_0(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> int:
+        """The engine's own ``cache_n`` for ``prompt`` run in slot 0."""
+        body = {"prompt": prompt, "n_predict": 2, "id_slot": 0, "cache_prompt": True}
+        async with s.post(url + "/completion", json=body) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["timings"]["cache_n"]
+
     async def run() -> tuple[int, int, int]:
         async with aiohttp.ClientSession() as s:
-            body = {
-                "prompt": a + token_ids(21, 16),
-                "n_predict": 2,
-                "id_slot": 0,
-                "cache_prompt": True,
-            }
-            async with s.post(llamas[0].url + "/completion", json=body) as r:
-                assert r.status == 200, await r.text()
+            await in_slot_0(s, llamas[0].url, a + token_ids(21, 16))
             saved = await save_slot(s, llamas[0].url, 0, "shared-a.bin", 30.0)
             restored = await restore_slot(s, llamas[1].url, 0, "shared-a.bin", 30.0)
-            body = {
-                "prompt": a + token_ids(22, 16),
-                "n_predict": 2,
-                "id_slot": 0,
-                "cache_prompt": True,
-            }
-            async with s.post(llamas[1].url + "/completion", json=body) as r:
-                assert r.status == 200, await r.text()
-                cached = (await r.json())["timings"]["cache_n"]
+            cached = await in_slot_0(s, llamas[1].url, a + token_ids(22, 16))
             return saved.tokens, restored.tokens, cached
 
     saved, restored, cached = asyncio.run(run())
