@@ -219,7 +219,8 @@ class RoutingSettings:
     # and kvgate must see it: one host or a shared filesystem). Set, a slot's shared prefix is
     # saved there once and loaded back into whichever slot a later request for it gets, instead
     # of recomputed (gateway/slot_files.py); at most llamacpp_slot_files_max files, the least
-    # recently used deleted. None = off.
+    # recently used deleted; a gateway that starts on files an earlier one saved takes them
+    # over. None = off.
     llamacpp_slot_save_path: str | None = None
     llamacpp_slot_files_max: int = 32
 

@@ -16,6 +16,9 @@ the shared store tier of its cache view:
 - At most ``routing.llamacpp_slot_files_max`` files: beyond it the least recently used is
   deleted from DIR (kvgate must see DIR: one host, or a shared filesystem) and its blocks
   leave the store tier.
+- Beside each file kvgate writes the prefix's block keys (backends/llamacpp_slot_index.py); a
+  gateway that starts on a DIR with files in it (a restart, another replica's) takes them over
+  into the store tier and the bound (``adopt``), and deletes its own leftovers that cannot be.
 
 A failed save or restore costs only the recompute it would have saved (counted in
 ``kvgate_llamacpp_slot_files_total``); the engine compares tokens, so a stale file is harmless.
@@ -26,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,21 +37,26 @@ import aiohttp
 
 from backends.legs import Target
 from backends.llamacpp_slot_api import SlotFileError, restore_slot, save_slot
+from backends.llamacpp_slot_index import (
+    remove_files,
+    scan_slot_dir,
+    sidecar_name,
+    slot_file_name,
+    write_sidecar,
+)
 from routing.conductor import Conductor
 from routing.llamacpp_slots import SlotState
 from routing.types import BlockRemoved, BlockStored, Tier
 
 log = logging.getLogger(__name__)
 
-_KEY_MASK = (1 << 64) - 1
 SLOT_FILE_TIMEOUT_S = 30.0  # a save or restore waits for a busy slot to free
 # After a failed save, that engine is not asked to save again for this long: an engine started
 # without --slot-save-path refuses every save, and each request would otherwise try (and log).
 SAVE_BACKOFF_S = 60.0
-
-
-def slot_file_name(key: int) -> str:
-    return f"kvgate-{key & _KEY_MASK:016x}.bin"
+# A slot file without its key sidecar (or the reverse) older than this has no writer left (a
+# save's sidecar follows its file within milliseconds); younger, it may be a replica's save.
+ORPHAN_AGE_S = 120.0
 
 
 @dataclass(slots=True)
@@ -137,6 +144,10 @@ class SlotFiles:
             return
         finally:
             self._saving.discard(key)
+        try:
+            await asyncio.to_thread(write_sidecar, self.save_path, name, blocks)
+        except OSError as exc:  # the file serves this run; a restart will not take it over
+            log.warning("could not write the key sidecar of llama.cpp slot file %s: %s", name, exc)
         self.saved[key] = _SavedPrefix(name, blocks)
         self._conductor.store_changed(BlockStored(blocks, Tier.STORE), key, stored=True)
         self._count("saved")
@@ -149,13 +160,52 @@ class SlotFiles:
             kept = {h for f in self.saved.values() for h in f.blocks}
             gone = tuple(h for h in old.blocks if h not in kept)
             self._conductor.store_changed(BlockRemoved(gone, Tier.STORE), key, stored=False)
-            path = os.path.join(self.save_path, old.filename)
-            try:
-                await asyncio.to_thread(os.unlink, path)
+            if await self._delete((old.filename, sidecar_name(old.filename))):
                 self._count("deleted")
-            except OSError as exc:
-                log.warning("could not delete llama.cpp slot file %s: %s", path, exc)
+            else:
                 self._count("delete_failed")
+
+    async def _delete(self, names: tuple[str, ...]) -> bool:
+        try:
+            await asyncio.to_thread(remove_files, self.save_path, names)
+        except OSError as exc:
+            log.warning("could not delete %s in %s: %s", ", ".join(names), self.save_path, exc)
+            return False
+        return True
+
+    # ---- taking over what an earlier run saved ----
+    async def adopt(self) -> None:
+        """Take over the files found in DIR (an earlier run's, another replica's) whose key
+        sidecar is valid, least recently written first, then apply the bound; delete kvgate's
+        own leftovers that cannot be taken over. Called once, before requests are served."""
+        try:
+            found = await asyncio.to_thread(scan_slot_dir, self.save_path, ORPHAN_AGE_S)
+        except OSError as exc:
+            log.warning(
+                "cannot list llama.cpp slot save path %s (kvgate must see it to bound and "
+                "reuse slot files): %s",
+                self.save_path,
+                exc,
+            )
+            return
+        if found.orphans and await self._delete(found.orphans):
+            for _ in found.orphans:
+                self._count("leftover_deleted")
+        for f in found.files:
+            if f.key in self.saved:
+                continue
+            self.saved[f.key] = _SavedPrefix(f.filename, f.blocks)
+            self._conductor.store_changed(BlockStored(f.blocks, Tier.STORE), f.key, stored=True)
+            self._count("adopted")
+        if found.files or found.orphans:
+            log.info(
+                "llama.cpp slot files in %s: %d taken over, %d leftovers deleted (bound %d)",
+                self.save_path,
+                len(found.files),
+                len(found.orphans),
+                self.max_files,
+            )
+        await self._bound()
 
     # ---- restoring ----
     def plan_restore(

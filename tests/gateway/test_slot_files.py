@@ -5,6 +5,7 @@ the store tier, what is restored before a request, the bound on files, and failu
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from backends.legs import Target
-from gateway.slot_files import SlotFiles, slot_file_name
+from backends.llamacpp_slot_index import sidecar_name, slot_file_name
+from gateway.slot_files import SlotFiles
 from routing.conductor import Conductor
 from routing.llamacpp_slots import SlotState
 from routing.types import Tier
@@ -156,7 +158,8 @@ def test_beyond_the_bound_the_least_recently_used_file_is_deleted(tmp_path: Path
             await h.settle()
             c = h.conductor
             assert list(files.saved) == [B[-1]]
-            assert sorted(p.name for p in tmp_path.iterdir()) == [slot_file_name(B[-1])]
+            name = slot_file_name(B[-1])
+            assert sorted(p.name for p in tmp_path.iterdir()) == [name, sidecar_name(name)]
             assert not any(c.index.holds("", h, Tier.STORE) for h in A)
             assert A[-1] not in c.slots.stored and B[-1] in c.slots.stored
 
@@ -202,6 +205,76 @@ def test_an_engine_that_refused_a_save_is_not_asked_again_for_a_while(tmp_path: 
             assert h.counts == {"save_failed": 2}
 
     asyncio.run(run())
+
+
+def _age_all(d: Path, seconds: float, names: tuple[str, ...] | None = None) -> None:
+    for p in d.iterdir():
+        if names is None or p.name in names:
+            t = p.stat().st_mtime - seconds
+            os.utime(p, (t, t))
+
+
+def test_a_new_gateway_takes_over_the_files_an_earlier_one_saved(tmp_path: Path) -> None:
+    """A restart: the files enter the new gateway's store tier and are loaded for requests
+    as if it had saved them, and a taken-over prefix is not saved again."""
+
+    async def run() -> None:
+        async with _files(tmp_path) as first:
+            first.files.slot_released("c0", 0, _shared((*A, 99), 4))
+            first.files.slot_released("c1", 1, _shared((*B, 98), 4))
+            await first.settle()
+            assert first.counts == {"saved": 2}
+        async with _files(tmp_path) as h:
+            await h.files.adopt()
+            assert h.counts == {"adopted": 2}
+            assert set(h.files.saved) == {A[-1], B[-1]}
+            c = h.conductor
+            assert c.index.match((*A, 50), 0.0).store_blocks == 4
+            assert A[-1] in c.slots.stored and B[-1] in c.slots.stored
+            h.files.plan_restore("r", "c1", 0, (*A, 7), matched=0)
+            await h.files.restore_before("r")
+            h.files.slot_released("c1", 0, _shared((*A, 7), 4))
+            await h.settle()
+            assert h.api.calls == [("restore", 0, slot_file_name(A[-1]))]
+            assert h.files.restored_blocks("r") == 4
+
+    asyncio.run(run())
+
+
+def test_taking_over_keeps_the_bound_and_deletes_leftovers(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with _files(tmp_path) as first:
+            first.files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await first.settle()
+            _age_all(tmp_path, 100)  # A is older than B
+            first.files.slot_released("c1", 1, _shared((*B, 98), 4))
+            await first.settle()
+        leftover = slot_file_name(77)
+        (tmp_path / leftover).write_bytes(b"kv")  # no sidecar: cannot be taken over
+        young = slot_file_name(78)
+        (tmp_path / young).write_bytes(b"kv")  # perhaps another replica's save under way
+        _age_all(tmp_path, 1_000, (leftover,))
+        async with _files(tmp_path, max_files=1) as h:
+            await h.files.adopt()
+            assert list(h.files.saved) == [B[-1]]
+            assert not any(h.conductor.index.holds("", k, Tier.STORE) for k in A)
+            assert h.counts == {"adopted": 2, "deleted": 1, "leftover_deleted": 1}
+            b = slot_file_name(B[-1])
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted([b, sidecar_name(b), young])
+
+    asyncio.run(run())
+
+
+def test_a_save_path_kvgate_cannot_see_is_a_warning_not_a_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def run() -> None:
+        async with _files(tmp_path / "not-here") as h:
+            await h.files.adopt()
+            assert h.files.saved == {} and h.counts == {}
+
+    asyncio.run(run())
+    assert "cannot list llama.cpp slot save path" in caplog.text
 
 
 def test_file_names_are_plain_hex_of_the_key():

@@ -1,7 +1,8 @@
 """llama.cpp slot files (gateway/slot_files.py, backends/llamacpp_slot_api.py) against real
 llama-servers started with ``--slot-save-path``: a shared prefix overwritten in the engine's only
 slot comes back from its file instead of being recomputed, and a file one engine saved loads
-into another that shares the directory.
+into another that shares the directory, and a restarted gateway takes over the files the last
+one saved.
 
 One engine, one slot: A twice (A is now shared; kvgate saves the slot once the second request
 finishes), then a cold B overwrites the slot, then A again: with slot files the engine reports
@@ -68,31 +69,41 @@ async def _sequence(engine: EngineProcess, save_path: Path | None) -> dict[str, 
         )
     )
     async with serving(app) as url, aiohttp.ClientSession() as s:
-        book = app.gateway.slot_book
-        for _ in range(200):  # the slot layout comes with the first /slots scrape
-            if "l0" in book.instances:
-                break
-            await asyncio.sleep(0.05)
-        assert "l0" in book.instances, "llama-server /slots never read"
+        await _slots_read(app)
         seen = {}
         seen["a1"] = await _send(s, url, a + token_ids(11, 16))
         seen["a2"] = await _send(s, url, a + token_ids(12, 16))  # A is shared now
-        files = app.gateway.slot_files
         if save_path is not None:
-            assert files is not None
-            for _ in range(200):  # saved once the second request finished
-                if files.saved:
-                    break
-                await asyncio.sleep(0.05)
-            assert len(files.saved) == 1, "no slot file saved"
+            await _one_file_saved(app)
         seen["b"] = await _send(s, url, b + token_ids(13, 16))  # overwrites the only slot
         seen["a3"] = await _send(s, url, a + token_ids(14, 16))
-        assert book.held == 0
-        metrics = await (await s.get(url + "/metrics")).text()
-        seen["restored"] = int(
-            _counter(metrics, 'kvgate_llamacpp_slot_files_total{event="restored"}')
-        )
+        assert app.gateway.slot_book.held == 0
+        seen["restored"] = await _slot_file_events(s, url, "restored")
         return seen
+
+
+async def _slots_read(app) -> None:
+    book = app.gateway.slot_book
+    for _ in range(200):  # the slot layout comes with the first /slots scrape
+        if "l0" in book.instances:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("llama-server /slots never read")
+
+
+async def _one_file_saved(app) -> None:
+    files = app.gateway.slot_files
+    assert files is not None
+    for _ in range(200):  # saved once the second request finished
+        if files.saved:
+            break
+        await asyncio.sleep(0.05)
+    assert len(files.saved) == 1, "no slot file saved"
+
+
+async def _slot_file_events(s: aiohttp.ClientSession, url: str, event: str) -> int:
+    metrics = await (await s.get(url + "/metrics")).text()
+    return int(_counter(metrics, f'kvgate_llamacpp_slot_files_total{{event="{event}"}}'))
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -116,6 +127,41 @@ def test_an_overwritten_shared_prefix_comes_back_from_its_slot_file(
     else:
         assert not list(tmp_path.glob("kvgate-*.bin"))
         assert seen["a3"] < PREFIX // 2, seen
+
+
+def test_a_restarted_gateway_takes_over_the_files_the_last_one_saved(
+    llamas: list[EngineProcess], tmp_path: Path
+) -> None:
+    """Gateway 1 saves A; a client overwrites the engine's only slot directly; gateway 2, on
+    the same directory, knows A's file from its key sidecar and loads it for A's next request
+    instead of recomputing A."""
+    a, b = token_ids(1, PREFIX), token_ids(2, PREFIX)
+    engine = llamas[0]
+
+    async def run() -> dict[str, int]:
+        seen = {}
+        async with aiohttp.ClientSession() as s:
+            first = build_app(llama_settings([engine], llamacpp_slot_save_path=str(tmp_path)))
+            async with serving(first) as url:
+                await _slots_read(first)
+                await _send(s, url, a + token_ids(11, 16))
+                await _send(s, url, a + token_ids(12, 16))
+                await _one_file_saved(first)
+            seen["b"] = await _send(s, engine.url, b + token_ids(13, 16))  # not through kvgate
+            second = build_app(llama_settings([engine], llamacpp_slot_save_path=str(tmp_path)))
+            async with serving(second) as url:
+                await _slots_read(second)
+                seen["adopted"] = await _slot_file_events(s, url, "adopted")
+                seen["a"] = await _send(s, url, a + token_ids(14, 16))
+                seen["restored"] = await _slot_file_events(s, url, "restored")
+                seen["saved"] = await _slot_file_events(s, url, "saved")
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen["b"] < 16, seen  # A was gone from the slot
+    assert seen["adopted"] == 1 and seen["restored"] == 1, seen
+    assert seen["a"] >= PREFIX - 16, seen  # loaded from the file, not recomputed
+    assert seen["saved"] == 0, seen  # the prefix has its file: not saved again
 
 
 def test_a_file_one_engine_saved_loads_into_another_sharing_the_directory(
