@@ -28,6 +28,16 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 class SlotFileError(Exception):
     """The engine refused or failed a save or restore (its message, or the HTTP status)."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        # llama-server: 400 = this file (missing, unreadable, not this model's; a failed
+        # restore also empties the slot), 501 = started without --slot-save-path
+        self.status = status
+
+    @property
+    def bad_file(self) -> bool:
+        return self.status == 400
+
 
 @dataclass(frozen=True, slots=True)
 class SlotFileResult:
@@ -54,7 +64,9 @@ async def _slot_action(
                 if resp.status != 200 or not isinstance(body, dict):
                     err = body.get("error") if isinstance(body, dict) else None
                     msg = err.get("message") if isinstance(err, dict) else None
-                    raise SlotFileError(f"{action} slot {slot}: HTTP {resp.status} {msg or ''}")
+                    raise SlotFileError(
+                        f"{action} slot {slot}: HTTP {resp.status} {msg or ''}", resp.status
+                    )
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise SlotFileError(f"{action} slot {slot}: {exc!r}") from exc
     timings = body.get("timings") or {}

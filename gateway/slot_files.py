@@ -12,7 +12,9 @@ the shared store tier of its cache view:
   prefix's end key; the prefix's blocks enter the store tier (placement may then price a load
   from the store, and overwriting the slot costs no recompute any more).
 - A request pinned to a slot that holds less of its prompt than a saved prefix has that file
-  restored into the slot first, and finds the prefix cached.
+  restored into the slot first, and finds the prefix cached. A file the engine cannot load
+  (gone, corrupt, another model's: HTTP 400) is dropped and deleted; a prefix still hot gets a
+  new one.
 - At most ``routing.llamacpp_slot_files_max`` files: beyond it the least recently used is
   deleted from DIR (kvgate must see DIR: one host, or a shared filesystem) and its blocks
   leave the store tier.
@@ -156,14 +158,20 @@ class SlotFiles:
     async def _bound(self) -> None:
         """Delete the least recently used files beyond ``max_files``."""
         while len(self.saved) > self.max_files:
-            key, old = self.saved.popitem(last=False)
-            kept = {h for f in self.saved.values() for h in f.blocks}
-            gone = tuple(h for h in old.blocks if h not in kept)
-            self._conductor.store_changed(BlockRemoved(gone, Tier.STORE), key, stored=False)
-            if await self._delete((old.filename, sidecar_name(old.filename))):
-                self._count("deleted")
-            else:
-                self._count("delete_failed")
+            await self._drop(next(iter(self.saved)))
+
+    async def _drop(self, key: int) -> None:
+        """The file leaves the store tier and DIR (a prefix still hot is saved again)."""
+        old = self.saved.pop(key, None)
+        if old is None:
+            return
+        kept = {h for f in self.saved.values() for h in f.blocks}
+        gone = tuple(h for h in old.blocks if h not in kept)
+        self._conductor.store_changed(BlockRemoved(gone, Tier.STORE), key, stored=False)
+        if await self._delete((old.filename, sidecar_name(old.filename))):
+            self._count("deleted")
+        else:
+            self._count("delete_failed")
 
     async def _delete(self, names: tuple[str, ...]) -> bool:
         try:
@@ -238,6 +246,8 @@ class SlotFiles:
         except SlotFileError as exc:
             log.warning("llama.cpp slot restore on %s failed: %s", plan.instance_id, exc)
             self._count("restore_failed")
+            if exc.bad_file:  # gone (another replica's bound), corrupt, another model's
+                await self._drop(plan.key)
             return
         if plan.key in self.saved:
             self.saved.move_to_end(plan.key)

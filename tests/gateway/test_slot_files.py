@@ -31,18 +31,20 @@ B = (21, 22, 23, 24)
 @dataclass
 class FakeSlotApi:
     """``POST /slots/{id}?action=save|restore`` as llama-server answers them; writes the file
-    on save so that deletions can be checked; ``fail`` answers 500."""
+    on save so that deletions can be checked; ``fail`` answers 500, ``status`` any status."""
 
     directory: Path
     calls: list[tuple[str, int, str]] = field(default_factory=list)
     fail: bool = False
+    status: int = 200
 
     async def slots(self, request: web.Request) -> web.Response:
         action, slot = request.query["action"], int(request.match_info["slot"])
         name = (await request.json())["filename"]
         self.calls.append((action, slot, name))
-        if self.fail:
-            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.fail or self.status != 200:
+            status = 500 if self.fail else self.status
+            return web.json_response({"error": {"message": "boom"}}, status=status)
         if action == "save":
             (self.directory / name).write_bytes(b"kv")
             return web.json_response({"n_saved": 64, "n_written": 2, "timings": {"save_ms": 1}})
@@ -185,6 +187,29 @@ def test_a_failed_save_or_restore_changes_nothing_but_a_counter(tmp_path: Path) 
                 "save_failed": 1,
                 "restore_failed": 1,
             }
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("status", [400, 501])
+def test_a_file_the_engine_cannot_load_is_dropped(tmp_path: Path, status: int) -> None:
+    """400: the file is gone (another replica's bound), corrupt or another model's: it leaves
+    the store tier and DIR. 501 (no --slot-save-path on that engine) says nothing of the file."""
+
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            h.files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await h.settle()
+            h.api.status = status
+            h.files.plan_restore("r", "c1", 0, (*A, 1), matched=0)
+            await h.files.restore_before("r")
+            kept = status != 400
+            assert (A[-1] in h.files.saved) is kept
+            assert h.conductor.index.holds("", A[0], Tier.STORE) is kept
+            assert (A[-1] in h.conductor.slots.stored) is kept
+            assert any(tmp_path.iterdir()) is kept
+            deleted = {} if kept else {"deleted": 1}
+            assert h.counts == {"saved": 1, "restore_failed": 1, **deleted}
 
     asyncio.run(run())
 

@@ -195,5 +195,6 @@ def test_a_refused_restore_is_a_clear_error(llamas: list[EngineProcess]) -> None
         async with aiohttp.ClientSession() as s:
             await restore_slot(s, llamas[0].url, 0, "no-such-file.bin", 30.0)
 
-    with pytest.raises(SlotFileError, match="restore slot 0"):
+    with pytest.raises(SlotFileError, match="restore slot 0") as refused:
         asyncio.run(run())
+    assert refused.value.bad_file  # HTTP 400: kvgate drops such a file (gateway/slot_files.py)
