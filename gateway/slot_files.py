@@ -10,11 +10,13 @@ the shared store tier of its cache view:
 - When kvgate's last request on a slot finishes and the slot's shared prefix (one that served
   two requests, routing/llamacpp_slots.py) has no file yet, the slot is saved, named by the
   prefix's end key; the prefix's blocks enter the store tier (placement may then price a load
-  from the store, and overwriting the slot costs no recompute any more).
-- A request pinned to a slot that holds less of its prompt than a saved prefix has that file
-  restored into the slot first, and finds the prefix cached. A file the engine cannot load
-  (gone, corrupt, another model's: HTTP 400) is dropped and deleted; a prefix still hot gets a
-  new one.
+  from the store, and overwriting the slot costs no recompute any more). A file that holds
+  the prefix and more counts as one; a file of a shorter prefix of it is deleted (one file per
+  prompt: Llama-3-8B in fp16 writes 128 KiB of KV per token, and the bound goes further).
+- A request pinned to a slot that holds less of its prompt than a saved file shares with it
+  has that file restored into the slot first, and finds the common prefix cached. A file the
+  engine cannot load (gone, corrupt, another model's: HTTP 400) is dropped and deleted; a
+  prefix still hot gets a new one.
 - At most ``routing.llamacpp_slot_files_max`` files: beyond it the least recently used is
   deleted from DIR (kvgate must see DIR: one host, or a shared filesystem) and its blocks
   leave the store tier.
@@ -47,6 +49,7 @@ from backends.llamacpp_slot_index import (
     write_sidecar,
 )
 from routing.conductor import Conductor
+from routing.hashing import common_prefix_blocks
 from routing.llamacpp_slots import SlotState
 from routing.types import BlockRemoved, BlockStored, Tier
 
@@ -73,6 +76,13 @@ class _Restore:
     slot: int
     key: int
     blocks: int  # leading blocks of the prompt the file holds
+
+
+def _starts_with(blocks: tuple[int, ...], prefix: tuple[int, ...]) -> bool:
+    """``blocks`` begins with all of ``prefix``: keys are chained, so one comparison at the
+    prefix's end says it."""
+    n = len(prefix)
+    return 0 < n <= len(blocks) and blocks[n - 1] == prefix[-1]
 
 
 class SlotFiles:
@@ -109,8 +119,9 @@ class SlotFiles:
         if state.active or n < self.min_blocks:
             return
         key = state.blocks[n - 1]
-        if key in self.saved:
-            self.saved.move_to_end(key)
+        covering = self._covering(state.blocks[:n])
+        if covering is not None:  # a file holds this prefix already (and perhaps more)
+            self.saved.move_to_end(covering)
             return
         if key in self._saving:
             return
@@ -153,7 +164,18 @@ class SlotFiles:
         self.saved[key] = _SavedPrefix(name, blocks)
         self._conductor.store_changed(BlockStored(blocks, Tier.STORE), key, stored=True)
         self._count("saved")
+        for shorter in [
+            k for k, f in self.saved.items() if k != key and _starts_with(blocks, f.blocks)
+        ]:
+            await self._drop(shorter)  # the new file serves every prompt the shorter one did
         await self._bound()
+
+    def _covering(self, blocks: tuple[int, ...]) -> int | None:
+        """A saved file whose prefix starts with all of ``blocks``."""
+        for k, f in self.saved.items():
+            if _starts_with(f.blocks, blocks):
+                return k
+        return None
 
     async def _bound(self) -> None:
         """Delete the least recently used files beyond ``max_files``."""
@@ -220,14 +242,14 @@ class SlotFiles:
         self, request_id: str, instance_id: str, slot: int, blocks: Sequence[int], matched: int
     ) -> None:
         """The request was pinned to ``slot``, which holds ``matched`` leading blocks of it:
-        if a file holds a longer prefix, load it before the request goes out. Asks each file
-        (at most ``max_files``) whether the prompt has its end key where it ends, instead of
-        looking up every block of a long prompt."""
+        if a file shares more of the prompt, load it before the request goes out (the engine
+        then reuses the common prefix of the file's tokens and the prompt's). Each file (at
+        most ``max_files``) is compared by a bisection of chained keys, not block by block."""
         best = matched + self.min_blocks - 1  # a file must bring at least min_blocks more
         key = None
         for k, f in self.saved.items():
-            n = len(f.blocks)
-            if best < n <= len(blocks) and blocks[n - 1] == k:
+            n = common_prefix_blocks(blocks, f.blocks)
+            if n > best:
                 best, key = n, k
         if key is not None:
             self._restores[request_id] = _Restore(instance_id, slot, key, best)

@@ -252,3 +252,23 @@ def block_tokens_for_id(
         counter += 1
     del out[block_size:]
     return out
+
+
+def common_prefix_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks ``a`` and ``b`` share. Block keys are chained (above: a key
+    equal at position i means equal prompts up to i), so a bisection finds the first
+    difference in a few comparisons (placement asks this of every llama.cpp slot for each
+    request, routing/llamacpp_slots.py)."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if a[n - 1] == b[n - 1]:
+        return n
+    lo, hi = 1, n - 1  # a[:lo] == b[:lo]; a[hi] != b[hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if a[mid] == b[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

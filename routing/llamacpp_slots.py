@@ -31,6 +31,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from routing.hashing import common_prefix_blocks
+
 
 @dataclass(slots=True)
 class SlotState:
@@ -45,25 +47,6 @@ class SlotChoice:
     slot: int
     matched_blocks: int  # leading blocks of the prompt the slot already held
     evicted: tuple[int, ...]  # blocks no slot of the instance holds any more
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Leading blocks ``a`` and ``b`` share. Block keys are chained (routing/hashing.py: a key
-    equal at position i means equal prompts up to i), so a bisection finds the first
-    difference in a few comparisons; placement asks this of every slot for each request."""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
-        return 0
-    if a[n - 1] == b[n - 1]:
-        return n
-    lo, hi = 1, n - 1  # a[:lo] == b[:lo]; a[hi] != b[hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if a[mid] == b[mid]:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass(slots=True)
@@ -86,7 +69,7 @@ class InstanceSlots:
         best, best_m, best_active = 0, -1, 0
         lru, lru_t = -1, math.inf
         for i, s in enumerate(self.slots):
-            m = _common_prefix(s.blocks, blocks)
+            m = common_prefix_blocks(s.blocks, blocks)
             matches.append(m)
             if m > best_m or (m == best_m and s.active < best_active):
                 best, best_m, best_active = i, m, s.active
@@ -104,7 +87,7 @@ class InstanceSlots:
         chained, so a common key means a common prefix)."""
         old = self.slots[pick].blocks
         return max(
-            (_common_prefix(s.blocks, old) for i, s in enumerate(self.slots) if i != pick),
+            (common_prefix_blocks(s.blocks, old) for i, s in enumerate(self.slots) if i != pick),
             default=0,
         )
 
@@ -124,7 +107,7 @@ class InstanceSlots:
         in common with it now serves two requests. Returns the longest such prefix."""
         longest = 0
         for s in self.slots:
-            m = _common_prefix(s.blocks, blocks)
+            m = common_prefix_blocks(s.blocks, blocks)
             if m > s.shared:
                 s.shared = m
             longest = max(longest, m)

@@ -150,6 +150,49 @@ def test_a_request_pinned_to_a_slot_without_the_prefix_restores_it_first(
     asyncio.run(run())
 
 
+def test_one_file_per_prompt_the_longest_shared_prefix(tmp_path: Path) -> None:
+    """A slot whose shared prefix grew (a second request shared a block more) is saved again
+    and the shorter file goes; a shorter prefix a file already holds is not saved."""
+
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            files, api = h.files, h.api
+            files.slot_released("c0", 0, _shared((*A, 99), 3))
+            await h.settle()
+            files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await h.settle()
+            files.slot_released("c1", 1, _shared((*A, 98), 3))  # held by A's file
+            await h.settle()
+            assert [c[2] for c in api.calls] == [slot_file_name(A[2]), slot_file_name(A[3])]
+            assert list(files.saved) == [A[-1]]
+            assert h.counts == {"saved": 2, "deleted": 1}
+            name = slot_file_name(A[-1])
+            assert sorted(p.name for p in tmp_path.iterdir()) == [name, sidecar_name(name)]
+            assert all(h.conductor.index.holds("", k, Tier.STORE) for k in A)
+            assert A[2] not in h.conductor.slots.stored and A[3] in h.conductor.slots.stored
+
+    asyncio.run(run())
+
+
+def test_a_file_that_shares_part_of_the_prompt_is_loaded_for_that_part(tmp_path: Path) -> None:
+    """The engine reuses the common prefix of the file's tokens and the prompt's: a file of
+    A + a user turn serves a prompt of A + another turn."""
+
+    async def run() -> None:
+        async with _files(tmp_path) as h:
+            files = h.files
+            files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await h.settle()
+            files.plan_restore("r", "c1", 0, (A[0], A[1], A[2], 70, 71), matched=0)
+            files.plan_restore("q", "c1", 1, (A[0], A[1], A[2], 70), matched=3)  # no gain
+            await files.restore_before("r")
+            await files.restore_before("q")
+            assert [c[:2] for c in h.api.calls[1:]] == [("restore", 0)]
+            assert files.restored_blocks("r") == 3
+
+    asyncio.run(run())
+
+
 def test_beyond_the_bound_the_least_recently_used_file_is_deleted(tmp_path: Path) -> None:
     async def run() -> None:
         async with _files(tmp_path, max_files=1) as h:

@@ -13,6 +13,7 @@ from routing.hashing import (
     HASH_MASK,
     BlockHasher,
     block_tokens_for_id,
+    common_prefix_blocks,
     hash_ids_to_blocks,
 )
 from routing.tokenizer import ApproxTokenizer, pack_token_ids
@@ -273,3 +274,15 @@ def test_namespace_roots_separate_hash_spaces() -> None:
     )
     for r in roots.values():  # token ids (a partial block dropped) hash the same way
         assert h.hash_tokens([*range(8), 99], r) == h.hash_packed(packed, root=r)
+
+
+def _chained(tokens: list[int]) -> tuple[int, ...]:
+    """Block keys as kvgate makes them: each names its whole prefix (above)."""
+    return tuple(hash(tuple(tokens[: i + 1])) for i in range(len(tokens)))
+
+
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12))
+def test_common_prefix_bisection_agrees_with_a_plain_scan(a: list[int], b: list[int]):
+    plain = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    expected = min(len(a), len(b)) if plain is None else plain
+    assert common_prefix_blocks(_chained(a), _chained(b)) == expected

@@ -1,11 +1,9 @@
 from dataclasses import replace
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from routing.conductor import Conductor
-from routing.llamacpp_slots import InstanceSlots, SlotBook, SlotState, _common_prefix
+from routing.llamacpp_slots import InstanceSlots, SlotBook, SlotState
 from routing.types import Decision
 from tests.routing.fleet import fleet_settings, prompt, request
 
@@ -193,15 +191,3 @@ def test_placement_charges_the_recompute_of_the_prefix_a_slot_would_lose():
 def test_a_repeat_of_the_held_prefix_is_not_charged():
     d = _slot_conductor(1.0).schedule(request("r", (*B, 40)), 10.0)
     assert isinstance(d, Decision) and d.prefill == "c0"
-
-
-def _chained(tokens: list[int]) -> tuple[int, ...]:
-    """Block keys as kvgate makes them: each names its whole prefix (routing/hashing.py)."""
-    return tuple(hash(tuple(tokens[: i + 1])) for i in range(len(tokens)))
-
-
-@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12))
-def test_common_prefix_bisection_agrees_with_a_plain_scan(a: list[int], b: list[int]):
-    plain = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    expected = min(len(a), len(b)) if plain is None else plain
-    assert _common_prefix(_chained(a), _chained(b)) == expected
