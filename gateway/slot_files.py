@@ -162,7 +162,7 @@ class SlotFiles:
         except OSError as exc:  # the file serves this run; a restart will not take it over
             log.warning("could not write the key sidecar of llama.cpp slot file %s: %s", name, exc)
         self.saved[key] = _SavedPrefix(name, blocks)
-        self._conductor.store_changed(BlockStored(blocks, Tier.STORE), key, stored=True)
+        self._conductor.store_changed(BlockStored(blocks, Tier.STORE))
         self._count("saved")
         for shorter in [
             k for k, f in self.saved.items() if k != key and _starts_with(blocks, f.blocks)
@@ -189,7 +189,7 @@ class SlotFiles:
             return
         kept = {h for f in self.saved.values() for h in f.blocks}
         gone = tuple(h for h in old.blocks if h not in kept)
-        self._conductor.store_changed(BlockRemoved(gone, Tier.STORE), key, stored=False)
+        self._conductor.store_changed(BlockRemoved(gone, Tier.STORE))
         if await self._delete((old.filename, sidecar_name(old.filename))):
             self._count("deleted")
         else:
@@ -225,7 +225,7 @@ class SlotFiles:
             if f.key in self.saved:
                 continue
             self.saved[f.key] = _SavedPrefix(f.filename, f.blocks)
-            self._conductor.store_changed(BlockStored(f.blocks, Tier.STORE), f.key, stored=True)
+            self._conductor.store_changed(BlockStored(f.blocks, Tier.STORE))
             self._count("adopted")
         if found.files or found.orphans:
             log.info(

@@ -51,16 +51,15 @@ class CacheViewEvents:
         self.index.apply(instance_id, BlockRemoved(block_hashes), now)
         self.prefix_evicted(instance_id, block_hashes, now)
 
-    def store_changed(
-        self, event: BlockStored | BlockRemoved, prefix_key: int, stored: bool
-    ) -> None:
-        """The gateway wrote (``stored``) or deleted a file of the shared store tier holding
-        the prefix that ``prefix_key`` ends (a llama.cpp slot file, gateway/slot_files.py)."""
+    def store_changed(self, event: BlockStored | BlockRemoved) -> None:
+        """The gateway wrote a file of the shared store tier (``BlockStored``: the prefix it
+        holds) or deleted one (``BlockRemoved``: its blocks no other file holds); a llama.cpp
+        slot file, gateway/slot_files.py."""
         self.index.apply_store(event)
-        if stored:
-            self.slots.stored.add(prefix_key)
+        if isinstance(event, BlockStored):
+            self.slots.stored.update(event.block_hashes)
         else:
-            self.slots.stored.discard(prefix_key)
+            self.slots.stored.difference_update(event.block_hashes)
 
     def replication_dropped(self, command_id: str) -> None:
         """A command that will not be executed (dry run): release its in-flight slot."""

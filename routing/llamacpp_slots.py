@@ -56,8 +56,8 @@ class InstanceSlots:
     slots: list[SlotState]
     min_match_blocks: int = 1
     max_waiting: int = 3  # requests queued behind the running one before spilling to another slot
-    # End keys of shared prefixes a slot file holds (gateway/slot_files.py; the book's set):
-    # overwriting one costs a restore, not a recompute.
+    # Block keys a slot file holds (gateway/slot_files.py; the book's set): overwriting a
+    # prefix that ends in one costs a restore, not a recompute (keys are chained).
     stored: set[int] = field(default_factory=set)
 
     def _pick(self, blocks: tuple[int, ...]) -> tuple[int, int]:

@@ -169,7 +169,8 @@ def test_one_file_per_prompt_the_longest_shared_prefix(tmp_path: Path) -> None:
             name = slot_file_name(A[-1])
             assert sorted(p.name for p in tmp_path.iterdir()) == [name, sidecar_name(name)]
             assert all(h.conductor.index.holds("", k, Tier.STORE) for k in A)
-            assert A[2] not in h.conductor.slots.stored and A[3] in h.conductor.slots.stored
+            # a slot holding A[:3] costs nothing to overwrite: A's file holds it
+            assert set(A) <= h.conductor.slots.stored
 
     asyncio.run(run())
 
