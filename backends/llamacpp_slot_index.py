@@ -5,11 +5,12 @@ llama-server writes a slot file (``kvgate-<end key>.bin``, gateway/slot_files.py
 and KV, but not kvgate's block keys, and kvgate may tokenize differently from the engine (the
 approximate tokenizer), so the keys cannot be rebuilt from the file. Beside each file kvgate
 writes ``kvgate-<end key>.json`` (``{"format": FORMAT, "blocks": [...]}``); a gateway that
-starts on a directory with files in it (a restart, an upgrade, a second replica) reads the
-sidecars and takes the files over, instead of leaving them on disk unused and outside the
-bound. Keys are content hashes seeded per model name (routing/hashing.py, gateway/models.py):
-a file saved under another model, block size or tokenizer only holds keys no request of this
-gateway matches, and ages out of the bound like any unused file.
+starts on a directory with files in it (a restart, an upgrade) reads the sidecars and takes
+the files over, instead of leaving them on disk unused and outside the bound; gateway replicas
+sharing the directory rescan it to see each other's files come and go. Keys are content
+hashes seeded per model name (routing/hashing.py, gateway/models.py): a file saved under
+another model, block size or tokenizer only holds keys no request of this gateway matches,
+and ages out of the bound like any unused file.
 
 Synchronous file I/O: the gateway calls these in a worker thread.
 """
@@ -47,7 +48,8 @@ class IndexedFile:
 
 @dataclass(frozen=True, slots=True)
 class SlotDirScan:
-    files: tuple[IndexedFile, ...]  # slot files with a valid sidecar, oldest first
+    files: tuple[IndexedFile, ...]  # new slot files with a valid sidecar, oldest first
+    present: frozenset[str]  # every slot file of kvgate's in the directory (not sidecars)
     # kvgate's files that cannot be taken over (a slot file without a valid sidecar, a sidecar
     # without its slot file, an unfinished sidecar), older than the scan's ``orphan_age_s``
     orphans: tuple[str, ...]
@@ -88,9 +90,12 @@ def _read_blocks(path: str, key: int) -> tuple[int, ...] | None:
     return tuple(blocks)
 
 
-def scan_slot_dir(directory: str, orphan_age_s: float) -> SlotDirScan:
-    """kvgate's slot files in ``directory``; other files are not looked at. Raises OSError
-    if the directory cannot be listed."""
+def scan_slot_dir(
+    directory: str, orphan_age_s: float, known: frozenset[str] = frozenset()
+) -> SlotDirScan:
+    """kvgate's slot files in ``directory``; other files are not looked at, nor the sidecars
+    of ``known`` slot files (taken over already). Raises OSError if the directory cannot be
+    listed."""
     now = time.time()
     mtimes: dict[str, float] = {}
     with os.scandir(directory) as it:
@@ -106,6 +111,9 @@ def scan_slot_dir(directory: str, orphan_age_s: float) -> SlotDirScan:
         m = _NAME.match(name)
         if m is None or m.group(2) != "bin" or sidecar_name(name) not in mtimes:
             continue
+        if name in known:
+            adopted |= {name, sidecar_name(name)}
+            continue
         key = int(m.group(1), 16)
         blocks = _read_blocks(os.path.join(directory, sidecar_name(name)), key)
         if blocks is not None:
@@ -115,4 +123,5 @@ def scan_slot_dir(directory: str, orphan_age_s: float) -> SlotDirScan:
     # orphan is one whose writer is gone.
     orphans = sorted(n for n, t in mtimes.items() if n not in adopted and now - t > orphan_age_s)
     files.sort(key=lambda f: (f.mtime, f.filename))
-    return SlotDirScan(tuple(files), tuple(orphans))
+    present = frozenset(n for n in mtimes if n.endswith(".bin"))
+    return SlotDirScan(tuple(files), present, tuple(orphans))

@@ -293,8 +293,9 @@ def run_policy(args: argparse.Namespace, wl: Workload, policy: str, tmp: Path) -
     extra = shlex.split(args.engine_args)
     slot_dir = None
     if args.slot_files and args.engine == "llamacpp":  # a fresh directory per run
-        slot_dir = tmp / f"{policy}-slot-files"
-        slot_dir.mkdir(parents=True, exist_ok=True)
+        # (a directory an earlier round filled would start the run warm: kvgate takes its
+        # files over, gateway/slot_files.py)
+        slot_dir = Path(tempfile.mkdtemp(prefix=f"{policy}-slot-files-", dir=tmp))
         extra += ["--slot-save-path", str(slot_dir)]
     engines = start_engines(args.engine, args.instances, tmp, args.slots, extra)
     try:

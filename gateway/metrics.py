@@ -183,8 +183,9 @@ class GatewayMetrics:
         self.slot_files = Counter(
             "kvgate_llamacpp_slot_files_total",
             "llama.cpp slot files (routing.llamacpp_slot_save_path, gateway/slot_files.py), by "
-            "event: saved, restored, deleted, adopted (an earlier run's, taken over at start), "
-            "leftover_deleted, and save_failed / restore_failed / delete_failed",
+            "event: saved, restored, deleted, adopted (found in the directory: an earlier run's, "
+            "another replica's), vanished (deleted by another replica), leftover_deleted, and "
+            "save_failed / restore_failed / delete_failed",
             ["event"],
             registry=r,
         )

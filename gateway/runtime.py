@@ -363,7 +363,8 @@ class Gateway:
             self.replicas.start()
             self._tasks.append(asyncio.create_task(self.replicas.run(self._stop)))
         if self.slot_files is not None:  # an earlier run's files: into the store tier and bound
-            await self.slot_files.adopt()
+            await self.slot_files.sync()
+            self._tasks.append(asyncio.create_task(self.slot_files.run(self._stop)))
 
     async def _scrape_loop(self) -> None:
         assert self.scraper is not None

@@ -21,8 +21,9 @@ the shared store tier of its cache view:
   deleted from DIR (kvgate must see DIR: one host, or a shared filesystem) and its blocks
   leave the store tier.
 - Beside each file kvgate writes the prefix's block keys (backends/llamacpp_slot_index.py); a
-  gateway that starts on a DIR with files in it (a restart, another replica's) takes them over
-  into the store tier and the bound (``adopt``), and deletes its own leftovers that cannot be.
+  gateway that starts on a DIR with files in it (a restart) takes them over into the store
+  tier and the bound, deletes its own leftovers that cannot be, and rescans DIR every
+  SYNC_INTERVAL_S (``sync``): gateway replicas sharing DIR see each other's files come and go.
 
 A failed save or restore costs only the recompute it would have saved (counted in
 ``kvgate_llamacpp_slot_files_total``); the engine compares tokens, so a stale file is harmless.
@@ -62,6 +63,8 @@ SAVE_BACKOFF_S = 60.0
 # A slot file without its key sidecar (or the reverse) older than this has no writer left (a
 # save's sidecar follows its file within milliseconds); younger, it may be a replica's save.
 ORPHAN_AGE_S = 120.0
+# How often DIR is rescanned: gateway replicas sharing it see each other's files within this.
+SYNC_INTERVAL_S = 10.0
 
 
 @dataclass(slots=True)
@@ -109,6 +112,7 @@ class SlotFiles:
         self._restores: dict[str, _Restore] = {}  # request id -> the file to load first
         self._restored: dict[str, int] = {}  # request id -> prompt blocks a file brought in
         self._tasks: set[asyncio.Task[None]] = set()
+        self._unlistable = False  # DIR could not be listed last time (warned once)
 
     # ---- saving ----
     def slot_released(self, instance_id: str, slot: int, state: SlotState) -> None:
@@ -182,14 +186,20 @@ class SlotFiles:
         while len(self.saved) > self.max_files:
             await self._drop(next(iter(self.saved)))
 
+    def _forget(self, key: int) -> _SavedPrefix | None:
+        """The file leaves the store tier (its blocks no other file holds)."""
+        old = self.saved.pop(key, None)
+        if old is not None:
+            kept = {h for f in self.saved.values() for h in f.blocks}
+            gone = tuple(h for h in old.blocks if h not in kept)
+            self._conductor.store_changed(BlockRemoved(gone, Tier.STORE))
+        return old
+
     async def _drop(self, key: int) -> None:
         """The file leaves the store tier and DIR (a prefix still hot is saved again)."""
-        old = self.saved.pop(key, None)
+        old = self._forget(key)
         if old is None:
             return
-        kept = {h for f in self.saved.values() for h in f.blocks}
-        gone = tuple(h for h in old.blocks if h not in kept)
-        self._conductor.store_changed(BlockRemoved(gone, Tier.STORE))
         if await self._delete((old.filename, sidecar_name(old.filename))):
             self._count("deleted")
         else:
@@ -203,39 +213,65 @@ class SlotFiles:
             return False
         return True
 
-    # ---- taking over what an earlier run saved ----
-    async def adopt(self) -> None:
-        """Take over the files found in DIR (an earlier run's, another replica's) whose key
-        sidecar is valid, least recently written first, then apply the bound; delete kvgate's
-        own leftovers that cannot be taken over. Called once, before requests are served."""
+    # ---- the directory as it is: an earlier run's files, other replicas' ----
+    async def sync(self) -> None:
+        """Bring the store tier in line with DIR: take over the files found there (an
+        earlier run's, another replica's) whose key sidecar is valid, least recently written
+        first; forget files gone from it (another replica's bound); delete kvgate's leftovers
+        that cannot be taken over; then apply the bound. At start, then every SYNC_INTERVAL_S."""
+        before = dict(self.saved)  # saves that finish during the scan are not in it
+        known = frozenset(f.filename for f in before.values())
         try:
-            found = await asyncio.to_thread(scan_slot_dir, self.save_path, ORPHAN_AGE_S)
+            found = await asyncio.to_thread(scan_slot_dir, self.save_path, ORPHAN_AGE_S, known)
         except OSError as exc:
-            log.warning(
-                "cannot list llama.cpp slot save path %s (kvgate must see it to bound and "
-                "reuse slot files): %s",
-                self.save_path,
-                exc,
-            )
+            if not self._unlistable:
+                log.warning(
+                    "cannot list llama.cpp slot save path %s (kvgate must see it to bound and "
+                    "reuse slot files): %s",
+                    self.save_path,
+                    exc,
+                )
+            self._unlistable = True
             return
+        self._unlistable = False
         if found.orphans and await self._delete(found.orphans):
             for _ in found.orphans:
                 self._count("leftover_deleted")
+        vanished = [
+            k
+            for k, f in before.items()
+            if f.filename not in found.present and self.saved.get(k) is f
+        ]
+        for key in vanished:
+            self._forget(key)
+            self._count("vanished")
         for f in found.files:
             if f.key in self.saved:
                 continue
             self.saved[f.key] = _SavedPrefix(f.filename, f.blocks)
             self._conductor.store_changed(BlockStored(f.blocks, Tier.STORE))
             self._count("adopted")
-        if found.files or found.orphans:
+        if found.files or found.orphans or vanished:
             log.info(
-                "llama.cpp slot files in %s: %d taken over, %d leftovers deleted (bound %d)",
+                "llama.cpp slot files in %s: %d taken over, %d gone, %d leftovers deleted",
                 self.save_path,
                 len(found.files),
+                len(vanished),
                 len(found.orphans),
-                self.max_files,
             )
         await self._bound()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """``sync`` every SYNC_INTERVAL_S until ``stop``."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), SYNC_INTERVAL_S)
+            if stop.is_set():
+                return
+            try:
+                await self.sync()
+            except Exception:  # one bad round must not end the rescans
+                log.exception("llama.cpp slot files: rescanning %s failed", self.save_path)
 
     # ---- restoring ----
     def plan_restore(

@@ -89,3 +89,15 @@ def test_files_that_cannot_be_taken_over_are_leftovers_once_old(tmp_path: Path) 
 def test_a_directory_that_cannot_be_listed_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         scan_slot_dir(str(tmp_path / "missing"), orphan_age_s=60)
+
+
+def test_a_rescan_names_what_is_there_and_reads_only_new_sidecars(tmp_path: Path) -> None:
+    a = _save(tmp_path, A)
+    b = _save(tmp_path, B)
+    (tmp_path / sidecar_name(a)).write_text("not read: a is known")
+    young = slot_file_name(91)
+    (tmp_path / young).write_bytes(b"kv")  # its sidecar is still being written
+    scan = scan_slot_dir(str(tmp_path), orphan_age_s=60, known=frozenset({a}))
+    assert [f.filename for f in scan.files] == [b]
+    assert scan.present == {a, b, young}
+    assert scan.orphans == ()

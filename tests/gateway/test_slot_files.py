@@ -294,7 +294,7 @@ def test_a_new_gateway_takes_over_the_files_an_earlier_one_saved(tmp_path: Path)
             await first.settle()
             assert first.counts == {"saved": 2}
         async with _files(tmp_path) as h:
-            await h.files.adopt()
+            await h.files.sync()
             assert h.counts == {"adopted": 2}
             assert set(h.files.saved) == {A[-1], B[-1]}
             c = h.conductor
@@ -324,7 +324,7 @@ def test_taking_over_keeps_the_bound_and_deletes_leftovers(tmp_path: Path) -> No
         (tmp_path / young).write_bytes(b"kv")  # perhaps another replica's save under way
         _age_all(tmp_path, 1_000, (leftover,))
         async with _files(tmp_path, max_files=1) as h:
-            await h.files.adopt()
+            await h.files.sync()
             assert list(h.files.saved) == [B[-1]]
             assert not any(h.conductor.index.holds("", k, Tier.STORE) for k in A)
             assert h.counts == {"adopted": 2, "deleted": 1, "leftover_deleted": 1}
@@ -334,16 +334,41 @@ def test_taking_over_keeps_the_bound_and_deletes_leftovers(tmp_path: Path) -> No
     asyncio.run(run())
 
 
+def test_replicas_sharing_the_directory_see_each_others_files_come_and_go(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        async with _files(tmp_path, max_files=1) as one, _files(tmp_path) as two:
+            one.files.slot_released("c0", 0, _shared((*A, 99), 4))
+            await one.settle()
+            await two.files.sync()
+            assert list(two.files.saved) == [A[-1]]
+            one.files.slot_released("c0", 1, _shared((*B, 98), 4))  # one's bound deletes A
+            await one.settle()
+            await two.files.sync()
+            assert list(two.files.saved) == [B[-1]]
+            c = two.conductor
+            assert not any(c.index.holds("", k, Tier.STORE) for k in A)
+            assert all(c.index.holds("", k, Tier.STORE) for k in B)
+            assert not set(A) & c.slots.stored
+            assert two.counts == {"adopted": 2, "vanished": 1}
+            await two.files.sync()  # nothing new: the known sidecars are not read again
+            assert two.counts == {"adopted": 2, "vanished": 1}
+
+    asyncio.run(run())
+
+
 def test_a_save_path_kvgate_cannot_see_is_a_warning_not_a_failure(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def run() -> None:
         async with _files(tmp_path / "not-here") as h:
-            await h.files.adopt()
+            await h.files.sync()
+            await h.files.sync()
             assert h.files.saved == {} and h.counts == {}
 
     asyncio.run(run())
-    assert "cannot list llama.cpp slot save path" in caplog.text
+    assert caplog.text.count("cannot list llama.cpp slot save path") == 1  # once, not per scan
 
 
 def test_file_names_are_plain_hex_of_the_key():
