@@ -17,12 +17,13 @@ seconds, not two full intervals later.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
+
+from backends.stop_wait import wait_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +184,7 @@ class HealthChecker:
             wake = next_round
             if self.ejected():
                 wake = min(wake, loop.time() + self.recheck_s)
-            remaining = wake - loop.time()
-            if remaining > 0:
-                with contextlib.suppress(TimeoutError):  # the normal case: a full interval
-                    await asyncio.wait_for(stop.wait(), timeout=remaining)
+            await wait_or_stop(stop, wake - loop.time())
 
     async def _probe(self, base_url: str) -> tuple[str | None, bool]:
         """(``None`` when healthy, else why not; whether the connection was refused)."""

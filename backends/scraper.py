@@ -16,7 +16,6 @@ silently taken for "no load".
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -27,6 +26,7 @@ import aiohttp
 
 from backends.prometheus import EngineHint, EngineLoad, MetricsParseError, parse_metrics
 from backends.slots import SlotLayout, parse_props, parse_slots
+from backends.stop_wait import wait_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +137,7 @@ class MetricsScraper:
                     on_scrape(results)
                 except Exception:  # a consumer bug must not stop load tracking
                     log.exception("metrics on_scrape callback failed")
-            remaining = interval_s - (loop.time() - started)
-            if remaining > 0:
-                with contextlib.suppress(TimeoutError):  # the normal case: a full interval
-                    await asyncio.wait_for(stop.wait(), timeout=remaining)
+            await wait_or_stop(stop, interval_s - (loop.time() - started))
 
     async def _scrape_one(self, instance_id: str, base_url: str) -> EngineLoad | None:
         hint = self._engines.get(instance_id, "auto")

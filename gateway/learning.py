@@ -16,7 +16,6 @@ observations and nothing else counted, so a short run never refit at all.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import statistics
 from collections import deque
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backends.stop_wait import wait_or_stop
 from predictors.fitting import fit_p5
 from predictors.prefill import AnalyticPrefill
 from predictors.profiles import PrefillCoeffs
@@ -267,9 +267,7 @@ async def refit_loop(learner: Learner, interval_s: float, stop: asyncio.Event) -
     minute's placements on a profile that may be another engine's."""
     while not stop.is_set():
         wait = min(interval_s, FIRST_FIT_POLL_S) if learner.first_fit_pending() else interval_s
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), wait)
-        if stop.is_set():
+        if await wait_or_stop(stop, wait):
             break
         try:
             await learner.refit()

@@ -29,6 +29,7 @@ from backends.predictor_files import predictor_factory
 from backends.profile_file import load_measured_profiles
 from backends.prometheus import EngineLoad
 from backends.scraper import MetricsScraper
+from backends.stop_wait import wait_or_stop
 from backends.transport import IDLE_KEEPALIVE_S
 from config.settings import InstanceSettings, PDProtocol, PoolSettings, Role, Settings
 from config.tenant_keys import tenant_keys
@@ -377,8 +378,7 @@ class Gateway:
                 log.exception("metrics scrape round failed")
             self._apply_loads(loads)
             self._publish_gauges()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), interval)
+            await wait_or_stop(self._stop, interval)
 
     def _apply_loads(self, loads: dict[str, EngineLoad | None]) -> None:
         """What the engines' own metrics say: understood or not, their KV capacity and llama.cpp's

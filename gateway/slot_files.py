@@ -49,6 +49,7 @@ from backends.llamacpp_slot_index import (
     slot_file_name,
     write_sidecar,
 )
+from backends.stop_wait import wait_or_stop
 from routing.conductor import Conductor
 from routing.hashing import common_prefix_blocks
 from routing.llamacpp_slots import SlotState
@@ -263,11 +264,7 @@ class SlotFiles:
 
     async def run(self, stop: asyncio.Event) -> None:
         """``sync`` every SYNC_INTERVAL_S until ``stop``."""
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), SYNC_INTERVAL_S)
-            if stop.is_set():
-                return
+        while not await wait_or_stop(stop, SYNC_INTERVAL_S):
             try:
                 await self.sync()
             except Exception:  # one bad round must not end the rescans
