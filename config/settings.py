@@ -210,6 +210,10 @@ class RoutingSettings:
     # llama-servers, 6 and 8 prompts (docs/real-engines.md section 3).
     llamacpp_slot_affinity: bool = True
     llamacpp_slot_max_waiting: int = 3
+    # Ask each llama-server once (slots + 2 one-token requests) whether it keeps a host prompt
+    # cache (--cache-ram, on by default in llama-server); one that does is never pinned: its
+    # slots are not its cache (gateway/host_cache_probes.py). false = assume --cache-ram 0.
+    llamacpp_host_cache_probe: bool = True
     # Placement charges a llama.cpp option this many times the recompute of the shared prefix
     # it would overwrite in an idle slot (the next request for that prefix pays it); ranking
     # only, never a predicted TTFT. 0 = off: the least TTFT alone, which spills a hot prompt's

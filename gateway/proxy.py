@@ -59,7 +59,6 @@ from gateway.relay import (
     ResponseStart,
     Send,
     StreamMarks,
-    cache_report,
     relay_stream,
     send_stream_error,
     shutting_down_body,
@@ -353,9 +352,7 @@ class CompletionHandler:
                 self.responses.answered(d.decode, marks.opening or tail)
             now = gw.clock()
             # The engine's answer corrects the cache view (what it had cached, what it now has).
-            feedback = gw.conductor.cache_feedback(rid, now, *cache_report(tail))
-            if feedback is not None:
-                gw.metrics.cache_feedback(feedback)
+            gw.cache_reported(rid, now, tail)
             # Counted once answered: a refused or failed attempt cached nothing.
             gw.metrics.placed(d.prompt_tokens, gw.cached_tokens(d))
             gw.conductor.finished(

@@ -36,12 +36,14 @@ from config.tenant_keys import tenant_keys
 from gateway.capacity_loop import CapacitySignal
 from gateway.decode_waits import DecodeWaits
 from gateway.drain import Drain
+from gateway.host_cache_probes import HostCacheProbes
 from gateway.kv_feeds import KvEventFeeds
 from gateway.learning import Learner, refit_loop
 from gateway.leg_health import LegHealth
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, ServedModels, adapter_routes, build_model_routes
 from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
+from gateway.relay import cache_report
 from gateway.replica_exchange import ReplicaExchange
 from gateway.replica_metrics import ReplicaExchangeCollector
 from gateway.replicator import EngineView, Replicator, TargetUrls
@@ -105,6 +107,12 @@ class Gateway:
         # llama.cpp instances: which slot each request is pinned to (filled as /slots is read)
         self.slot_book = self.conductor.slots
         self.slot_files = self._slot_files(settings)
+        self.host_cache_probes = HostCacheProbes(
+            self.slot_book,
+            lambda iid: t.url if (t := self.targets.get(iid)) is not None else None,
+            lambda: self.session,
+            clock,
+        )
         # `kvgate epp` with P/D: Envoy reaches decode instances through their sidecars, so
         # that is what is probed (a dead sidecar would otherwise look healthy)
         self.health_via_sidecars = False
@@ -267,6 +275,23 @@ class Gateway:
         """How long an engine that took this request may send nothing (gateway/silence.py)."""
         return silence_timeout_s(self.settings.server, d, whole_answer_tokens)
 
+    def cache_reported(self, request_id: str, now: float, answer_tail: bytes) -> None:
+        """The engine's answer corrects the cache view (what it had cached, what it now has);
+        call before ``Conductor.finished``."""
+        fb = self.conductor.cache_feedback(request_id, now, *cache_report(answer_tail))
+        if fb is None:
+            return
+        self.metrics.cache_feedback(fb)
+        if fb.host_cache_seen:
+            log.warning(
+                "llama.cpp instance %s keeps a host prompt cache (--cache-ram, on by default): "
+                "it found %d prompt tokens cached that its slot did not hold. kvgate stops "
+                "pinning requests to its slots and charging slot evictions there "
+                "(docs/real-engines.md section 3)",
+                fb.instance_id,
+                fb.engine_cached_tokens,
+            )
+
     # ------------------------------------------------------------------ llama.cpp slots
     def pin_slot(self, request_id: str, instance_id: str, blocks: Sequence[int]) -> int | None:
         """The llama.cpp slot a request to ``instance_id`` waits for (None: the engine picks);
@@ -390,8 +415,12 @@ class Gateway:
             self.metrics.engine_metrics_understood.labels(iid).set(1 if load.understood else 0)
             spec = self.specs.get(iid)
             capacity = load.capacity_tokens
-            if load.slots and self.settings.routing.llamacpp_slot_affinity:
-                self.slot_book.set_slots(iid, load.slots)
+            routing = self.settings.routing
+            if load.slots and routing.llamacpp_slot_affinity:
+                if routing.llamacpp_host_cache_probe:
+                    self.host_cache_probes.slots_seen(iid, load.slots)
+                else:
+                    self.slot_book.set_slots(iid, load.slots)
             if load.slots and spec is not None and spec.max_batch is None:
                 self.conductor.set_max_batch(iid, load.slots)
             if capacity and spec is not None and spec.capacity_tokens is None:
@@ -431,6 +460,7 @@ class Gateway:
         await self.replicator.close()
         if self.slot_files is not None:
             await self.slot_files.close()
+        await self.host_cache_probes.close()
         if self.session is not None:
             await self.session.close()
         self.client.close()

@@ -53,7 +53,6 @@ from gateway.learning import DecisionRecord
 from gateway.openai import CHAT, COMPLETIONS, BadRequest, ParsedRequest, error_body
 from gateway.relay import (
     StreamMarks,
-    cache_report,
     observe_gaps,
     shutting_down_body,
     usage_tokens,
@@ -356,9 +355,7 @@ class Picker:
             f.record.observed_tbt_s = (f.stamps[-1] - f.first_token_at) / (tokens - 1)
         observe_gaps(gw.metrics.tbt, f.stamps)
         d, rid = f.decision, f.request_id
-        feedback = gw.conductor.cache_feedback(rid, now, *cache_report(tail))
-        if feedback is not None:
-            gw.metrics.cache_feedback(feedback)
+        gw.cache_reported(rid, now, tail)
         gw.metrics.placed(d.prompt_tokens, d.cached_tokens)
         gw.conductor.finished(rid, now, output_tokens=tokens or None, decode_timed=f.parsed.stream)
         direct = f.served in (None, f.endpoints[0])

@@ -11,13 +11,17 @@ from gateway.runtime import Gateway
 from routing.types import BlockStored, Decision, RequestInfo
 
 
-def _gateway(affinity: bool = True) -> Gateway:
+def _gateway(affinity: bool = True, probe: bool = False) -> Gateway:
+    """``probe`` off: pinning as for llama-servers known to run with --cache-ram 0."""
     base = Settings()
     inst = InstanceSettings("l0", "http://127.0.0.1:1", Role.BOTH)
+    routing = replace(
+        base.routing, llamacpp_slot_affinity=affinity, llamacpp_host_cache_probe=probe
+    )
     return Gateway(
         replace(
             base,
-            routing=replace(base.routing, llamacpp_slot_affinity=affinity),
+            routing=routing,
             pools=(PoolSettings("llama", Role.BOTH, (inst,)),),
         )
     )
@@ -49,6 +53,13 @@ def test_slots_bound_the_sequences_unless_the_config_names_a_max_batch() -> None
     named = Gateway(replace(base, pools=(PoolSettings("llama", Role.BOTH, (inst,)),)))
     named._apply_loads({"l0": _load(2)})
     assert named.conductor.instances["l0"].max_batch == 5
+
+
+def test_with_the_probe_on_no_slot_is_pinned_before_the_engine_answered() -> None:
+    gw = _gateway(probe=True)
+    gw._apply_loads({"l0": _load(2)})  # no session yet: nothing asked, nothing booked
+    assert gw.pin_slot("r1", "l0", (1, 2)) is None
+    assert "l0" not in gw.slot_book.instances
 
 
 def test_affinity_off_leaves_slot_choice_to_the_engine() -> None:

@@ -20,7 +20,8 @@ def token_ids(seed: int, n: int) -> list[int]:
 
 def llama_settings(engines: list[EngineProcess], **routing: Any) -> Settings:
     """kvcache_centric over ``engines`` (ids l0, l1, ...), blocks of 16, a fast /slots scrape,
-    no refits; ``routing`` overrides more routing settings."""
+    no refits, no host-cache probe (the engines run --cache-ram 0, and the probe's prompts
+    would overwrite the slots a test fills); ``routing`` overrides more routing settings."""
     base = Settings()
     instances = tuple(
         InstanceSettings(f"l{i}", e.url, Role.BOTH, engine=EngineKind.LLAMACPP)
@@ -28,7 +29,12 @@ def llama_settings(engines: list[EngineProcess], **routing: Any) -> Settings:
     )
     return replace(
         base,
-        routing=replace(base.routing, policy="kvcache_centric", block_size=16, **routing),
+        routing=replace(
+            base.routing,
+            policy="kvcache_centric",
+            block_size=16,
+            **{"llamacpp_host_cache_probe": False, **routing},
+        ),
         pools=(PoolSettings("llama", Role.BOTH, instances),),
         server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),
     )

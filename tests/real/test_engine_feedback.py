@@ -68,7 +68,12 @@ def _settings(
     return replace(
         base,
         slo=base.slo if ttft_slo_s is None else replace(base.slo, ttft_s=ttft_slo_s),
-        routing=replace(base.routing, block_size=16, llamacpp_slot_affinity=slot_affinity),
+        routing=replace(
+            base.routing,
+            block_size=16,
+            llamacpp_slot_affinity=slot_affinity,
+            llamacpp_host_cache_probe=False,  # --cache-ram 0; the probe would overwrite slots
+        ),
         admission=admission,
         pools=(PoolSettings("llama", Role.BOTH, (inst,)),),
         server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),

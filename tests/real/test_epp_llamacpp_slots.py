@@ -30,7 +30,10 @@ def _spec(engine: EngineProcess, affinity: bool, buffered: bool, workdir: Path):
     base = Settings()
     base = replace(
         base,
-        routing=replace(base.routing, llamacpp_slot_affinity=affinity),
+        # --cache-ram 0; the probe's prompts would overwrite the slots the test fills
+        routing=replace(
+            base.routing, llamacpp_slot_affinity=affinity, llamacpp_host_cache_probe=False
+        ),
         admission=replace(base.admission, mode=AdmissionMode.NONE),
         server=replace(base.server, scrape_interval_s=0.2, refit_interval_s=0),
     )

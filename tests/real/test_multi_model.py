@@ -57,6 +57,8 @@ def _two_models(vllm: EngineProcess, llama: EngineProcess) -> Settings:
         {
             "server": {"health_interval_s": 10.0, "refit_interval_s": 0},
             "admission": {"mode": "none"},
+            # its requests would count in the engine's prompt-token counters the test compares
+            "routing": {"llamacpp_host_cache_probe": False},
             "models": [
                 {"name": "vllm-tiny", "pools": ["v"], "model_dir": str(vllm.model_dir)},
                 {"name": "llama-tiny", "pools": ["l"]},
