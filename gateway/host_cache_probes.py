@@ -10,13 +10,12 @@ assumes none (``--cache-ram 0`` everywhere, the recipe docs/real-engines.md meas
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import aiohttp
 
+from backends.background_tasks import BackgroundTasks
 from backends.llamacpp_host_cache import has_host_prompt_cache
 from routing.llamacpp_slots import SlotBook
 
@@ -39,7 +38,7 @@ class HostCacheProbes:
         self._clock = clock
         self.answers: dict[str, bool] = {}  # instance -> keeps a host prompt cache
         self._retry_at: dict[str, float] = {}  # instances being probed or to probe again
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
 
     def slots_seen(self, instance_id: str, slots: int) -> None:
         """The engine reports ``slots`` slots: book them once it is known to keep no host
@@ -54,9 +53,7 @@ class HostCacheProbes:
         if url is None or session is None:
             return
         self._retry_at[instance_id] = float("inf")  # one probe at a time
-        task = asyncio.get_running_loop().create_task(self._probe(instance_id, slots, url, session))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._probe(instance_id, slots, url, session))
 
     async def _probe(
         self, instance_id: str, slots: int, url: str, session: aiohttp.ClientSession
@@ -84,8 +81,4 @@ class HostCacheProbes:
             self._book.set_slots(instance_id, slots)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._tasks.cancel_all()

@@ -32,7 +32,6 @@ A failed save or restore costs only the recompute it would have saved (counted i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from backends.background_tasks import BackgroundTasks
 from backends.legs import Target
 from backends.llamacpp_slot_api import SlotFileError, restore_slot, save_slot
 from backends.llamacpp_slot_index import (
@@ -112,7 +112,7 @@ class SlotFiles:
         self._no_saves_until: dict[str, float] = {}  # instance -> loop time (SAVE_BACKOFF_S)
         self._restores: dict[str, _Restore] = {}  # request id -> the file to load first
         self._restored: dict[str, int] = {}  # request id -> prompt blocks a file brought in
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         self._unlistable = False  # DIR could not be listed last time (warned once)
 
     # ---- saving ----
@@ -137,9 +137,7 @@ class SlotFiles:
         if self._no_saves_until.get(instance_id, 0.0) > loop.time():
             return
         self._saving.add(key)
-        task = loop.create_task(self._save(instance_id, slot, key, state.blocks[:n]))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._save(instance_id, slot, key, state.blocks[:n]))
 
     async def _save(self, instance_id: str, slot: int, key: int, blocks: tuple[int, ...]) -> None:
         target, session = self._targets.get(instance_id), self._session()
@@ -320,8 +318,4 @@ class SlotFiles:
         self._restored.pop(request_id, None)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._tasks.cancel_all()

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from backends.llamacpp_host_cache import has_host_prompt_cache, probe_prompt
+from tests.backends.fake_http import serving_routes
 
 
 @dataclass
@@ -44,15 +44,11 @@ class FakeLlamaServer:
 
 def _ask(engine: FakeLlamaServer, slots: int) -> bool | None:
     async def run() -> bool | None:
-        app = web.Application()
-        app.router.add_post("/completion", engine.completion)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        try:
-            async with aiohttp.ClientSession() as s:
-                return await has_host_prompt_cache(s, str(server.make_url("")), slots, 5.0)
-        finally:
-            await server.close()
+        async with (
+            serving_routes(("POST", "/completion", engine.completion)) as url,
+            aiohttp.ClientSession() as s,
+        ):
+            return await has_host_prompt_cache(s, url, slots, 5.0)
 
     return asyncio.run(run())
 

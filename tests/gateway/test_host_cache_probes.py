@@ -5,29 +5,27 @@ slots booked, one with it never, one that cannot answer is asked again later."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from gateway.host_cache_probes import RETRY_S, HostCacheProbes
 from routing.llamacpp_slots import SlotBook
+from tests.backends.fake_http import serving_routes
 from tests.backends.test_llamacpp_host_cache import FakeLlamaServer
 
 
 def _run(engines: dict[str, FakeLlamaServer]) -> tuple[SlotBook, HostCacheProbes]:
-
     async def run() -> tuple[SlotBook, HostCacheProbes]:
-        servers, urls = [], {}
-        for iid, engine in engines.items():
-            app = web.Application()
-            app.router.add_post("/completion", engine.completion)
-            server = TestServer(app, host="127.0.0.1")
-            await server.start_server()
-            servers.append(server)
-            urls[iid] = str(server.make_url("")).rstrip("/")
-        book = SlotBook()
-        async with aiohttp.ClientSession() as s:
+        async with contextlib.AsyncExitStack() as stack:
+            urls = {
+                iid: await stack.enter_async_context(
+                    serving_routes(("POST", "/completion", engine.completion))
+                )
+                for iid, engine in engines.items()
+            }
+            s = await stack.enter_async_context(aiohttp.ClientSession())
+            book = SlotBook()
             probes = HostCacheProbes(book, urls.get, lambda: s, lambda: 0.0)
             try:
                 for _ in range(3):  # three scrapes: one probe each, then none
@@ -39,8 +37,6 @@ def _run(engines: dict[str, FakeLlamaServer]) -> tuple[SlotBook, HostCacheProbes
                         await asyncio.sleep(0.01)
             finally:
                 await probes.close()
-                for server in servers:
-                    await server.close()
         return book, probes
 
     return asyncio.run(run())
