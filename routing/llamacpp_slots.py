@@ -8,6 +8,10 @@ the slot holding a request's prefix is busy, the request lands in another idle s
 overwrites that slot's prefix: two concurrent requests for one hot system prompt evict a second
 prompt on every collision (measured: docs/real-engines.md, "Slot affinity").
 
+An engine with llama-server's host prompt cache on (``--cache-ram``, its default) keeps
+prompts outside its slots and is not pinned at all (``SlotBook.host_cached``: a one-off probe,
+gateway/host_cache_probes.py, or an answer that found far more cached than its slot held).
+
 A request that names ``id_slot`` waits for that slot instead (the server defers it and hands it
 the slot when it frees, ``server_queue::pop_deferred_task``). ``SlotBook`` mirrors each slot's
 last prompt (kvgate's block keys) and pins a request to the slot that holds the longest prefix
