@@ -4,7 +4,8 @@ to its slots (backends/llamacpp_host_cache.py says why and how).
 An engine with one is never pinned (``SlotBook.host_cached``): its slots are not its prefix
 cache, and a pinned request bypasses the host cache. Until the answer comes (~0.1 s), the
 engine picks its own slots; a probe that cannot tell (the engine refused or timed out) is
-retried after ``RETRY_S``. ``routing.llamacpp_host_cache_probe = false`` skips the probe and
+retried after ``RETRY_S``, at most ``MAX_TRIES`` times in all (then: none assumed).
+``routing.llamacpp_host_cache_probe = false`` skips the probe and
 assumes none (``--cache-ram 0`` everywhere, the recipe docs/real-engines.md measured).
 """
 
@@ -22,6 +23,9 @@ from routing.llamacpp_slots import SlotBook
 log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
+# After this many probes that could not tell (a context too small for the probe's prompts, an
+# engine that refuses /completion), assume no host cache: pin, as before the probe existed.
+MAX_TRIES = 3
 
 
 class HostCacheProbes:
@@ -38,6 +42,7 @@ class HostCacheProbes:
         self._clock = clock
         self.answers: dict[str, bool] = {}  # instance -> keeps a host prompt cache
         self._retry_at: dict[str, float] = {}  # instances being probed or to probe again
+        self._tries: dict[str, int] = {}
         self._tasks = BackgroundTasks()
 
     def slots_seen(self, instance_id: str, slots: int) -> None:
@@ -60,14 +65,24 @@ class HostCacheProbes:
     ) -> None:
         answer = await has_host_prompt_cache(session, url, slots)
         if answer is None:
+            tries = self._tries[instance_id] = self._tries.get(instance_id, 0) + 1
+            if tries < MAX_TRIES:
+                log.warning(
+                    "llama.cpp instance %s: could not tell whether it keeps a host prompt "
+                    "cache; asking again in %g s (its slots are not pinned meanwhile)",
+                    instance_id,
+                    RETRY_S,
+                )
+                self._retry_at[instance_id] = self._clock() + RETRY_S
+                return
             log.warning(
-                "llama.cpp instance %s: could not tell whether it keeps a host prompt cache; "
-                "asking again in %g s (its slots are not pinned meanwhile)",
+                "llama.cpp instance %s: %d probes could not tell whether it keeps a host "
+                "prompt cache; assuming it does not (pinning its slots). Set "
+                "routing.llamacpp_slot_affinity = false if it runs with --cache-ram",
                 instance_id,
-                RETRY_S,
+                tries,
             )
-            self._retry_at[instance_id] = self._clock() + RETRY_S
-            return
+            answer = False
         self.answers[instance_id] = answer
         self._retry_at.pop(instance_id, None)
         if answer:
