@@ -279,18 +279,8 @@ class Gateway:
         """The engine's answer corrects the cache view (what it had cached, what it now has);
         call before ``Conductor.finished``."""
         fb = self.conductor.cache_feedback(request_id, now, *cache_report(answer_tail))
-        if fb is None:
-            return
-        self.metrics.cache_feedback(fb)
-        if fb.host_cache_seen:
-            log.warning(
-                "llama.cpp instance %s keeps a host prompt cache (--cache-ram, on by default): "
-                "it found %d prompt tokens cached that its slot did not hold. kvgate stops "
-                "pinning requests to its slots and charging slot evictions there "
-                "(docs/real-engines.md section 3)",
-                fb.instance_id,
-                fb.engine_cached_tokens,
-            )
+        if fb is not None:
+            self.metrics.cache_feedback(fb)
 
     # ------------------------------------------------------------------ llama.cpp slots
     def pin_slot(self, request_id: str, instance_id: str, blocks: Sequence[int]) -> int | None:

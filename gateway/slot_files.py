@@ -305,7 +305,6 @@ class SlotFiles:
         if plan.key in self.saved:
             self.saved.move_to_end(plan.key)
         self._restored[request_id] = plan.blocks
-        self._conductor.slots.restored(request_id, plan.blocks)
         self._count("restored")
 
     def restored_blocks(self, request_id: str) -> int:

@@ -26,8 +26,6 @@ class CacheFeedback:
     # Blocks the engine had cached beyond kvgate's prediction: the view had forgotten them.
     extra_blocks: int = 0
     dropped_blocks: int = 0  # blocks removed from the view because of that (LRU inference)
-    # This answer showed the llama.cpp instance keeps a host prompt cache (SlotBook.answered)
-    host_cache_seen: bool = False
 
 
 def assess(

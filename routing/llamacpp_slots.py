@@ -9,8 +9,8 @@ overwrites that slot's prefix: two concurrent requests for one hot system prompt
 prompt on every collision (measured: docs/real-engines.md, "Slot affinity").
 
 An engine with llama-server's host prompt cache on (``--cache-ram``, its default) keeps
-prompts outside its slots and is not pinned at all (``SlotBook.host_cached``: a one-off probe,
-gateway/host_cache_probes.py, or an answer that found far more cached than its slot held).
+prompts outside its slots and is not pinned at all (``SlotBook.host_cached``, filled by a
+one-off probe, gateway/host_cache_probes.py).
 
 A request that names ``id_slot`` waits for that slot instead (the server defers it and hands it
 the slot when it frees, ``server_queue::pop_deferred_task``). ``SlotBook`` mirrors each slot's
@@ -44,11 +44,6 @@ class SlotState:
     shared: int = 0  # leading blocks of ``blocks`` known to serve more than one request
     active: int = 0  # requests kvgate sent here that have not finished
     last_used: float = 0.0
-
-
-# Blocks beyond what its slot held that an answer must report cached before kvgate concludes
-# the engine has a host prompt cache (at least a quarter of the prompt; ``SlotBook.answered``).
-HOST_CACHE_MARGIN_BLOCKS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +141,6 @@ class InstanceSlots:
 
 
 @dataclass(slots=True)
-class _Held:
-    instance_id: str
-    slot: int
-    expected_blocks: int  # what the request can find cached: the slot's prefix, or a file's
-
-
-@dataclass(slots=True)
 class SlotBook:
     """Slot choices for every llama.cpp instance, and which request holds which slot."""
 
@@ -160,9 +148,9 @@ class SlotBook:
     max_waiting: int = 3
     instances: dict[str, InstanceSlots] = field(default_factory=dict)
     stored: set[int] = field(default_factory=set)  # see InstanceSlots.stored
-    # Instances whose answers showed a host prompt cache (``answered``): never pinned again.
+    # Instances that keep a host prompt cache (gateway/host_cache_probes.py): never pinned.
     host_cached: set[str] = field(default_factory=set)
-    _held: dict[str, _Held] = field(default_factory=dict)  # request -> its slot
+    _held: dict[str, tuple[str, int]] = field(default_factory=dict)  # request -> (instance, slot)
 
     def set_slots(self, instance_id: str, slots: int) -> None:
         """The engine reports ``slots`` parallel slots (``-np``); a new count starts afresh."""
@@ -193,34 +181,8 @@ class SlotBook:
         # Whatever prefix of it any slot of the fleet holds now serves two requests.
         shared = max(i.note_shared(blocks) for i in self.instances.values())
         choice = inst.choose(blocks, now, shared)
-        self._held[request_id] = _Held(instance_id, choice.slot, choice.matched_blocks)
+        self._held[request_id] = (instance_id, choice.slot)
         return choice
-
-    def restored(self, request_id: str, blocks: int) -> None:
-        """A slot file brought ``blocks`` leading blocks of the request's prompt into its slot
-        (gateway/slot_files.py)."""
-        held = self._held.get(request_id)
-        if held is not None:
-            held.expected_blocks = max(held.expected_blocks, blocks)
-
-    def answered(self, request_id: str, cached_blocks: int, prompt_blocks: int) -> str | None:
-        """The engine reported ``cached_blocks`` of the pinned request's prompt cached. Far
-        more than its slot (or a file loaded into it) held means the engine keeps prompts
-        outside its slots: llama.cpp's host prompt cache (``--cache-ram``, 8 GiB by default),
-        which saves a slot's prompt before it is overwritten and loads any cached prompt into
-        any slot. Slots then are not the engine's cache, and pinning only queues requests
-        behind a busy slot (with the host cache on, llama-server 0.3.36 was seen to leave a
-        pinned slot spinning without progress, docs/real-engines.md section 3): the instance
-        leaves the book for good. Returns its id when this answer showed it, else None."""
-        held = self._held.get(request_id)
-        if held is None or held.instance_id in self.host_cached:
-            return None
-        margin = max(HOST_CACHE_MARGIN_BLOCKS, prompt_blocks // 4)
-        if cached_blocks < held.expected_blocks + margin:
-            return None
-        self.host_cached.add(held.instance_id)
-        self.instances.pop(held.instance_id, None)
-        return held.instance_id
 
     def shared_evictions(self, instance_id: str, blocks: Sequence[int]) -> int:
         """The shared prefix blocks placing ``blocks`` on ``instance_id`` would overwrite
@@ -234,11 +196,12 @@ class SlotBook:
         held = self._held.pop(request_id, None)
         if held is None:
             return None
-        inst = self.instances.get(held.instance_id)
-        if inst is None or held.slot >= len(inst.slots):
+        instance_id, slot = held
+        inst = self.instances.get(instance_id)
+        if inst is None or slot >= len(inst.slots):
             return None
-        inst.release(held.slot, now)
-        return held.instance_id, held.slot, inst.slots[held.slot]
+        inst.release(slot, now)
+        return instance_id, slot, inst.slots[slot]
 
     @property
     def held(self) -> int:

@@ -22,7 +22,6 @@ from routing.estimates import STORE_SOURCE, TTFTEstimator, cached_tokens
 from routing.fleet_pools import ModelPools
 from routing.instance_books import DecodeWork, InstanceState
 from routing.kv_index import KVIndex
-from routing.llamacpp_slots import SlotBook
 from routing.lora_affinity import LoraAffinity
 from routing.policies.base import Policy
 from routing.types import Decision, DecisionStats, Rejection, RequestInfo
@@ -57,7 +56,6 @@ class RequestProgress:
     policy: Policy
     admission: Admission
     lora: LoraAffinity
-    slots: SlotBook
 
     def dispatched(self, decision: Decision, req: RequestInfo, now: float) -> None:
         prefill = self.instances[decision.prefill]
@@ -310,11 +308,6 @@ class RequestProgress:
             engine_prompt_tokens,
             self.block_size,
         )
-        if fb.engine_cached_tokens is not None and own_report:
-            seen = self.slots.answered(
-                request_id, fb.engine_cached_tokens // self.block_size, len(req.block_hashes)
-            )
-            fb.host_cache_seen = seen is not None
         if d.prefill in self._event_fed:
             self.index.settle(d.prefill, req.block_hashes, 0, now)
         else:

@@ -269,18 +269,3 @@ def test_settle_and_set_capacity_on_the_index() -> None:
     assert idx.blocks_held("a") == (1, 0) and idx.holds("a", 4)  # block 4 is the prefix start
     with pytest.raises(ValueError):
         idx.set_capacity("a", -1)
-
-
-def test_a_llamacpp_answer_cached_beyond_its_slot_shows_the_engines_host_prompt_cache():
-    """routing/llamacpp_slots.py ``SlotBook.answered``, through the Conductor's feedback."""
-    c = colocated(1)
-    c.slots.set_slots("c0", 2)
-    blocks = prompt(5, 64)
-    req, d = place(c, "r", blocks)
-    assert c.slots.assign("r", d.prefill, req.block_hashes, 0.0) is not None  # an empty slot
-    fb = answered(c, "r", 1.0, cached=63 * BLOCK, prompt_n=64 * BLOCK)
-    assert fb is not None and fb.host_cache_seen
-    assert c.slots.host_cached == {"c0"} and "c0" not in c.slots.instances
-    req, d = place(c, "s", prompt(6, 64), now=2.0)
-    fb = answered(c, "s", 3.0, cached=63 * BLOCK, prompt_n=64 * BLOCK)
-    assert fb is not None and not fb.host_cache_seen  # said once

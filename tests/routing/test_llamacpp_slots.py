@@ -191,35 +191,3 @@ def test_placement_charges_the_recompute_of_the_prefix_a_slot_would_lose():
 def test_a_repeat_of_the_held_prefix_is_not_charged():
     d = _slot_conductor(1.0).schedule(request("r", (*B, 40)), 10.0)
     assert isinstance(d, Decision) and d.prefill == "c0"
-
-
-def test_an_answer_cached_beyond_its_slot_shows_a_host_prompt_cache():
-    """llama-server --cache-ram (on by default) loads a prompt its pinned slot did not hold
-    from host memory: the instance leaves the book and is never pinned again."""
-    book = SlotBook()
-    book.set_slots("i", 2)
-    book.set_slots("j", 2)
-    book.assign("a", "i", (*A, 10), 0.0)
-    book.release("a", 1.0)
-    book.assign("b", "i", (*A, 11), 2.0)  # its slot holds A: 4 blocks
-    assert book.answered("b", cached_blocks=4, prompt_blocks=5) is None
-    book.release("b", 3.0)
-    book.assign("c", "i", (*B, 12), 4.0)  # B is in no slot
-    assert book.answered("c", cached_blocks=1, prompt_blocks=5) is None  # within the margin
-    book.assign("d", "j", (*B, 13), 5.0)
-    assert book.answered("d", cached_blocks=4, prompt_blocks=5) == "j"
-    assert "j" not in book.instances and book.host_cached == {"j"}
-    assert book.assign("e", "j", (*B, 14), 6.0) is None  # the engine picks its slot
-    book.set_slots("j", 2)  # the next /slots scrape does not bring it back
-    assert "j" not in book.instances
-    assert book.release("d", 7.0) is None
-    assert book.answered("c", cached_blocks=4, prompt_blocks=5) == "i"  # each engine once
-
-
-def test_a_slot_file_load_is_no_sign_of_a_host_cache():
-    book = SlotBook()
-    book.set_slots("i", 1)
-    book.assign("r", "i", (*B, 12), 0.0)
-    book.restored("r", 4)  # gateway/slot_files.py loaded B's file into the slot
-    assert book.answered("r", cached_blocks=4, prompt_blocks=5) is None
-    assert "i" in book.instances
