@@ -64,9 +64,7 @@ async def _cached(session: aiohttp.ClientSession, base_url: str, prompt: str) ->
     body = {"prompt": prompt, "n_predict": 1, "cache_prompt": True, "temperature": 0}
     async with session.post(base_url.rstrip("/") + "/completion", json=body) as resp:
         if resp.status != 200:
-            raise aiohttp.ClientResponseError(
-                resp.request_info, resp.history, status=resp.status, message="probe refused"
-            )
+            raise ValueError(f"probe refused: HTTP {resp.status}")
         timings = (await resp.json(content_type=None)).get("timings") or {}
     cached, computed = int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0))
     return cached, cached + computed

@@ -36,10 +36,10 @@ from config.tenant_keys import tenant_keys
 from gateway.capacity_loop import CapacitySignal
 from gateway.decode_waits import DecodeWaits
 from gateway.drain import Drain
-from gateway.host_cache_probes import HostCacheProbes
 from gateway.kv_feeds import KvEventFeeds
 from gateway.learning import Learner, refit_loop
 from gateway.leg_health import LegHealth
+from gateway.llamacpp_pinning import SlotPinning
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRoute, ServedModels, adapter_routes, build_model_routes
 from gateway.openai import ParsedRequest, RequestHead, parse_head, parse_prompt
@@ -49,7 +49,6 @@ from gateway.replica_metrics import ReplicaExchangeCollector
 from gateway.replicator import EngineView, Replicator, TargetUrls
 from gateway.response_owners import ResponseOwners
 from gateway.silence import silence_timeout_s
-from gateway.slot_files import SlotFiles
 from gateway.tokenize_ahead import TokenizeAhead
 from gateway.tracing import Tracing
 from routing.conductor import Conductor
@@ -104,15 +103,17 @@ class Gateway:
             clock,
             lambda iid: self.instance_routes.get(iid, self.default_route).hasher,
         )
-        # llama.cpp instances: which slot each request is pinned to (filled as /slots is read)
-        self.slot_book = self.conductor.slots
-        self.slot_files = self._slot_files(settings)
-        self.host_cache_probes = HostCacheProbes(
-            self.slot_book,
-            lambda iid: t.url if (t := self.targets.get(iid)) is not None else None,
+        # llama.cpp instances: which slot each request is pinned to, slot files, host caches
+        self.llamacpp = SlotPinning(
+            lambda: self.settings.routing,
+            self.conductor,
+            self.metrics,
+            self.targets,
             lambda: self.session,
             clock,
         )
+        self.slot_book = self.llamacpp.book
+        self.slot_files = self.llamacpp.files
         # `kvgate epp` with P/D: Envoy reaches decode instances through their sidecars, so
         # that is what is probed (a dead sidecar would otherwise look healthy)
         self.health_via_sidecars = False
@@ -284,54 +285,16 @@ class Gateway:
 
     # ------------------------------------------------------------------ llama.cpp slots
     def pin_slot(self, request_id: str, instance_id: str, blocks: Sequence[int]) -> int | None:
-        """The llama.cpp slot a request to ``instance_id`` waits for (None: the engine picks);
-        the prefix it overwrites leaves the cache view at once."""
-        now = self.clock()
-        choice = self.slot_book.assign(request_id, instance_id, blocks, now)
-        if choice is None:
-            return None
-        if choice.evicted:
-            self.conductor.evict(instance_id, choice.evicted, now)
-            self.metrics.slot_evicted.inc(len(choice.evicted))
-        if self.slot_files is not None:
-            self.slot_files.plan_restore(
-                request_id, instance_id, choice.slot, blocks, choice.matched_blocks
-            )
-        return choice.slot
+        return self.llamacpp.pin(request_id, instance_id, blocks)
 
     def unpin_slot(self, request_id: str) -> None:
-        released = self.slot_book.release(request_id, self.clock())
-        if self.slot_files is not None:
-            self.slot_files.forget(request_id)
-            if released is not None:
-                self.slot_files.slot_released(*released)
+        self.llamacpp.unpin(request_id)
 
     async def restore_slot(self, request_id: str) -> None:
-        """Load the slot file planned for this pinned request before it goes out."""
-        if self.slot_files is not None:
-            await self.slot_files.restore_before(request_id)
+        await self.llamacpp.restore(request_id)
 
     def cached_tokens(self, d: Decision) -> int:
-        """The prompt tokens ``d`` found cached: as placed, or more where a slot file was
-        loaded for it (a placement that does not price the store tier, round_robin's)."""
-        if self.slot_files is None:
-            return d.cached_tokens
-        restored = self.slot_files.restored_blocks(d.request_id) * self.conductor.block_size
-        return max(d.cached_tokens, min(restored, d.prompt_tokens))
-
-    def _slot_files(self, settings: Settings) -> SlotFiles | None:
-        r = settings.routing
-        if r.llamacpp_slot_save_path is None or not r.llamacpp_slot_affinity:
-            return None
-        return SlotFiles(
-            r.llamacpp_slot_save_path,
-            r.llamacpp_slot_files_max,
-            max(1, r.min_transfer_blocks),
-            self.conductor,
-            self.targets,
-            lambda: self.session,
-            lambda event: self.metrics.slot_files.labels(event).inc(),
-        )
+        return self.llamacpp.cached_tokens(d)
 
     # ------------------------------------------------------------------ replication
     def _engine_block_tokens(self, instance_id: str) -> int | None:
@@ -378,9 +341,7 @@ class Gateway:
         if self.replicas is not None:
             self.replicas.start()
             self._tasks.append(asyncio.create_task(self.replicas.run(self._stop)))
-        if self.slot_files is not None:  # an earlier run's files: into the store tier and bound
-            await self.slot_files.sync()
-            self._tasks.append(asyncio.create_task(self.slot_files.run(self._stop)))
+        self._tasks += await self.llamacpp.start(self._stop)
 
     async def _scrape_loop(self) -> None:
         assert self.scraper is not None
@@ -405,12 +366,8 @@ class Gateway:
             self.metrics.engine_metrics_understood.labels(iid).set(1 if load.understood else 0)
             spec = self.specs.get(iid)
             capacity = load.capacity_tokens
-            routing = self.settings.routing
-            if load.slots and routing.llamacpp_slot_affinity:
-                if routing.llamacpp_host_cache_probe:
-                    self.host_cache_probes.slots_seen(iid, load.slots)
-                else:
-                    self.slot_book.set_slots(iid, load.slots)
+            if load.slots:
+                self.llamacpp.slots_seen(iid, load.slots)
             if load.slots and spec is not None and spec.max_batch is None:
                 self.conductor.set_max_batch(iid, load.slots)
             if capacity and spec is not None and spec.capacity_tokens is None:
@@ -448,9 +405,7 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await task
         await self.replicator.close()
-        if self.slot_files is not None:
-            await self.slot_files.close()
-        await self.host_cache_probes.close()
+        await self.llamacpp.close()
         if self.session is not None:
             await self.session.close()
         self.client.close()

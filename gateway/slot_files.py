@@ -124,7 +124,7 @@ class SlotFiles:
         if state.active or n < self.min_blocks:
             return
         key = state.blocks[n - 1]
-        covering = self._covering(state.blocks[:n])
+        covering = self._covering(n, key)
         if covering is not None:  # a file holds this prefix already (and perhaps more)
             self.saved.move_to_end(covering)
             return
@@ -173,10 +173,11 @@ class SlotFiles:
             await self._drop(shorter)  # the new file serves every prompt the shorter one did
         await self._bound()
 
-    def _covering(self, blocks: tuple[int, ...]) -> int | None:
-        """A saved file whose prefix starts with all of ``blocks``."""
+    def _covering(self, n: int, end_key: int) -> int | None:
+        """A saved file whose prefix starts with the ``n`` blocks ending with ``end_key``
+        (chained keys: one comparison per file, no copy of the prompt's blocks)."""
         for k, f in self.saved.items():
-            if _starts_with(f.blocks, blocks):
+            if len(f.blocks) >= n and f.blocks[n - 1] == end_key:
                 return k
         return None
 

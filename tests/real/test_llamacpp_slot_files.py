@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from backends.llamacpp_slot_api import SlotFileError, restore_slot, save_slot
-from gateway.app import build_app
+from gateway.app import GatewayApp, build_app
 from tests.gateway.live import serving
 from tests.real.conftest import EngineInstall
 from tests.real.engines import EngineProcess, free_ports, start_llama_server, stop_engine
@@ -82,7 +82,7 @@ async def _sequence(engine: EngineProcess, save_path: Path | None) -> dict[str, 
         return seen
 
 
-async def _slots_read(app) -> None:
+async def _slots_read(app: GatewayApp) -> None:
     book = app.gateway.slot_book
     for _ in range(200):  # the slot layout comes with the first /slots scrape
         if "l0" in book.instances:
@@ -91,7 +91,7 @@ async def _slots_read(app) -> None:
     raise AssertionError("llama-server /slots never read")
 
 
-async def _one_file_saved(app) -> None:
+async def _one_file_saved(app: GatewayApp) -> None:
     files = app.gateway.slot_files
     assert files is not None
     for _ in range(200):  # saved once the second request finished
