@@ -241,6 +241,7 @@ def _check_server(c: Checker, s: ServerSettings) -> None:
     c.between("server.port", s.port, 1, 65535)
     c.positive("server.health_interval_s", s.health_interval_s)
     c.positive("server.health_timeout_s", s.health_timeout_s)
+    c.at_least("server.startup_wait_s", s.startup_wait_s, 0.0)
     c.positive("server.health_recheck_s", s.health_recheck_s)
     c.positive("server.silence_predicted_factor", s.silence_predicted_factor)
     c.positive("server.silence_slo_factor", s.silence_slo_factor)

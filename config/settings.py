@@ -367,6 +367,9 @@ class ServerSettings:
     # connection is reset and lost, which no client retries safely.
     keep_alive_s: float = KEEP_ALIVE_S
     scrape_interval_s: float = 1.0
+    # The port opens once the engines' metrics were read once and every llama.cpp engine said
+    # whether it keeps a host prompt cache, or after this long (0: at once).
+    startup_wait_s: float = 3.0
     # Observed prefill timings refit the prefill predictor this often (0 = never).
     refit_interval_s: float = 60.0
     refit_min_samples: int = 200  # observations (+ a measured profile's sweep) for LightGBM

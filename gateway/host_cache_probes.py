@@ -2,8 +2,9 @@
 to its slots (backends/llamacpp_host_cache.py says why and how).
 
 An engine with one is never pinned (``SlotBook.host_cached``): its slots are not its prefix
-cache, and a pinned request bypasses the host cache. Until the answer comes (~0.1 s), the
-engine picks its own slots; a probe that cannot tell (the engine refused or timed out) is
+cache, and a pinned request bypasses the host cache. Until the answer comes (~0.1 s on an
+idle engine; the gateway opens its port only after it, ``server.startup_wait_s``), the engine
+picks its own slots; a probe that cannot tell (the engine refused or timed out) is
 retried after ``RETRY_S``, at most ``MAX_TRIES`` times in all (then: none assumed).
 ``routing.llamacpp_host_cache_probe = false`` skips the probe and
 assumes none (``--cache-ram 0`` everywhere, the recipe docs/real-engines.md measured).
@@ -44,6 +45,11 @@ class HostCacheProbes:
         self._retry_at: dict[str, float] = {}  # instances being probed or to probe again
         self._tries: dict[str, int] = {}
         self._tasks = BackgroundTasks()
+
+    @property
+    def in_flight(self) -> int:
+        """Probes sent and not answered yet."""
+        return sum(1 for t in self._retry_at.values() if t == float("inf"))
 
     def slots_seen(self, instance_id: str, slots: int) -> None:
         """The engine reports ``slots`` slots: book them once it is known to keep no host

@@ -6,6 +6,8 @@ book itself is the Conductor's (routing/llamacpp_slots.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
@@ -17,6 +19,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.slot_files import SlotFiles
 from routing.conductor import Conductor
 from routing.types import Decision
+
+log = logging.getLogger(__name__)
 
 
 class SlotPinning:
@@ -98,6 +102,28 @@ class SlotPinning:
             return d.cached_tokens
         restored = self.files.restored_blocks(d.request_id) * self._conductor.block_size
         return max(d.cached_tokens, min(restored, d.prompt_tokens))
+
+    async def settled(self, scraped: asyncio.Event, budget_s: float) -> None:
+        """Wait, at most ``budget_s``, until the engines' metrics were read once (``scraped``)
+        and every host-cache probe has answered; the gateway takes no traffic before. A request
+        placed earlier is not pinned: the engine picks its slot and the book never learns
+        which prompt that slot holds, and on a per-slot fleet those first placements decide
+        which prompts share slots for a long time (docs/real-engines.md, "A fleet known
+        before the first request")."""
+        if budget_s <= 0 or not self._routing().llamacpp_slot_affinity:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(scraped.wait(), budget_s)
+        while self.probes.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if not scraped.is_set() or self.probes.in_flight:
+            log.warning(
+                "starting before the fleet is known (server.startup_wait_s = %g s): the first "
+                "requests to llama.cpp engines are not pinned to slots",
+                budget_s,
+            )
 
     async def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         """An earlier run's slot files into the store tier and the bound, then their rescans."""

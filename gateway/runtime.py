@@ -119,6 +119,7 @@ class Gateway:
         self.health_via_sidecars = False
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        self._scraped = asyncio.Event()  # the first round of engine metrics is in
         self.served_models = ServedModels(
             lambda: self.settings, lambda: [t.url for t in self.targets.values()], clock
         )
@@ -342,6 +343,7 @@ class Gateway:
             self.replicas.start()
             self._tasks.append(asyncio.create_task(self.replicas.run(self._stop)))
         self._tasks += await self.llamacpp.start(self._stop)
+        await self.llamacpp.settled(self._scraped, srv.startup_wait_s)
 
     async def _scrape_loop(self) -> None:
         assert self.scraper is not None
@@ -353,6 +355,7 @@ class Gateway:
             except Exception:  # one bad scrape must not stop the loop; say so, once a round
                 log.exception("metrics scrape round failed")
             self._apply_loads(loads)
+            self._scraped.set()
             self._publish_gauges()
             await wait_or_stop(self._stop, interval)
 
