@@ -1,6 +1,6 @@
 """Fire-and-forget tasks an object starts and must end at shutdown (slot-file saves, host-cache
-probes): each is kept referenced until done (the loop holds only weak references), and
-``cancel_all`` cancels and awaits whatever is left."""
+probes): each is kept referenced until done (the loop holds only weak references), ``wait``
+waits for those running, and ``cancel_all`` cancels and awaits whatever is left."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ class BackgroundTasks:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, for the tasks running now; True when none is left."""
+        if self._tasks and timeout_s > 0:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        return not self._tasks
 
     async def cancel_all(self) -> None:
         for task in list(self._tasks):

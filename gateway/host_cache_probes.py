@@ -46,10 +46,9 @@ class HostCacheProbes:
         self._tries: dict[str, int] = {}
         self._tasks = BackgroundTasks()
 
-    @property
-    def in_flight(self) -> int:
-        """Probes sent and not answered yet."""
-        return sum(1 for t in self._retry_at.values() if t == float("inf"))
+    async def answered(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, for the probes sent so far; True when all answered."""
+        return await self._tasks.wait(timeout_s)
 
     def slots_seen(self, instance_id: str, slots: int) -> None:
         """The engine reports ``slots`` slots: book them once it is known to keep no host

@@ -116,9 +116,8 @@ class SlotPinning:
         deadline = loop.time() + budget_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(scraped.wait(), budget_s)
-        while self.probes.in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        if not scraped.is_set() or self.probes.in_flight:
+        # The first scrape round sent the probes (``slots_seen``): their answers are the rest.
+        if not (scraped.is_set() and await self.probes.answered(deadline - loop.time())):
             log.warning(
                 "starting before the fleet is known (server.startup_wait_s = %g s): the first "
                 "requests to llama.cpp engines are not pinned to slots",

@@ -18,6 +18,8 @@ from tests.backends.fake_http import serving_routes
 from tests.backends.test_llamacpp_host_cache import FakeLlamaServer
 
 DATA = Path(__file__).parents[1] / "backends" / "data"
+METRICS = (DATA / "llamacpp_metrics_busy.txt").read_text()
+SLOTS = (DATA / "llamacpp_slots_busy.json").read_text()
 PROBE_DELAY_S = 1.0  # wide margins: the assertions compare it with startup times
 
 
@@ -43,11 +45,10 @@ def _start(wait_s: float) -> tuple[bool, float, bool]:
     engine = FakeLlamaServer(2, host_cache=False)
 
     async def metrics(_: web.Request) -> web.Response:
-        text = (DATA / "llamacpp_metrics_busy.txt").read_text()
-        return web.Response(text=text, content_type="text/plain")
+        return web.Response(text=METRICS, content_type="text/plain")
 
     async def slots(_: web.Request) -> web.Response:
-        return web.Response(text=(DATA / "llamacpp_slots_busy.json").read_text())
+        return web.Response(text=SLOTS)
 
     async def completion(request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(PROBE_DELAY_S / 4)  # four probe prompts: two slots + 2
